@@ -1,0 +1,75 @@
+"""Case registry, observation helpers and profile matching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fakes.nixl.profiles import PROFILES
+
+CASES: dict[str, "Case"] = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable[[Any], Any]
+    expect: Any  # the dram observation (real NIXL 1.5.1 on host memory)
+    by_profile: dict[str, Any] = field(default_factory=dict)  # profiles that deliberately differ
+    transport: str = "cma"  # "tcp": the real side runs under UCX_TLS=tcp, in a process of its own
+    isolate: bool = False  # the real library may kill the process: run it in a child
+    needs: tuple[str, ...] = ()  # "host-memory": skipped, with that reason, when the run uses VRAM
+    doc: str = ""
+
+    def expected(self, profile: str) -> Any:
+        return self.by_profile.get(profile, self.expect)
+
+
+def case(expect: Any, *, transport: str = "cma", isolate: bool = False, needs: tuple[str, ...] = (),
+         **by_profile: Any) -> Callable:
+    """Register a check.  Keyword arguments name profiles that differ from ``dram`` (``rocm_strict`` for
+    ``rocm-strict``)."""
+
+    def wrap(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        overrides = {k.replace("_", "-"): v for k, v in by_profile.items()}
+        unknown = set(overrides) - set(PROFILES)
+        if unknown:
+            raise LookupError(f"case {fn.__name__}: unknown profiles {sorted(unknown)}")
+        CASES[fn.__name__] = Case(fn.__name__, fn, _plain(expect), {k: _plain(v) for k, v in overrides.items()},
+                                  transport, isolate or transport == "tcp", needs, (fn.__doc__ or "").strip())
+        return fn
+
+    return wrap
+
+
+def _plain(value: Any) -> Any:
+    """Observations travel as JSON between processes: tuples become lists, so compare them in that form."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def observe(fn: Callable[[], Any]) -> Any:
+    """Run one step; its result, or the class name of what it raised (``SIGSEGV`` for a simulated crash)."""
+    from fakes.nixl._status import SimulatedCrash
+
+    try:
+        return _plain(fn())
+    except SimulatedCrash as crash:
+        return crash.signal
+    except Exception as exc:  # noqa: BLE001 - the class name *is* the observation
+        return type(exc).__name__
+
+
+def expected(name: str, profile: str) -> Any:
+    return CASES[name].expected(profile)
+
+
+def matched_profile(observations: dict[str, Any]) -> str | None:
+    """The profile whose every expectation holds for these observations (cases not run are ignored)."""
+    for name in PROFILES:
+        if all(CASES[c].expected(name) == obs for c, obs in observations.items() if c in CASES):
+            return name
+    return None

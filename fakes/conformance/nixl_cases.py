@@ -1,0 +1,644 @@
+"""The catalogue.  Each case returns its observation; the decorator says what ``dram`` (and any differing profile)
+expects.  Names say the behaviour; docstrings say the reference row it pins (shared/reference/nixl-1.5.1.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import PATTERN, Backend
+from .catalogue import case, observe
+
+N = 4096
+
+
+def _pair(b: Backend, n: int = N):
+    """Initiator B, target A; A's buffer holds PATTERN, B's is zero; B knows A."""
+    a, t = b.agent("A"), b.buf(n, PATTERN)
+    bb, u = b.agent("B"), b.buf(n, 0)
+    b.reg(a, t)
+    b.reg(bb, u)
+    bb.add_remote_agent(a.get_agent_metadata())
+    return a, t, bb, u
+
+
+def _finish(b: Backend, agent, handle) -> str:
+    return b.wait(lambda: agent.check_xfer_state(handle) == "DONE") and "DONE"
+
+
+def _read(b: Backend, bb, u, t, remote="A", notif=b""):
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), remote, notif)
+    first = bb.transfer(h)
+    return h, first
+
+
+# -- agents and backends ------------------------------------------------------------------------------------
+@case("ValueError")
+def agent_empty_name(b: Backend):
+    """Row 2: an empty agent name is refused by the constructor."""
+    return observe(lambda: b.agent(""))
+
+
+@case([[], ["DRAM_SEG", "VRAM_SEG"]])
+def agent_unknown_backend_is_skipped(b: Backend):
+    """Row 2: a backend without a plugin is skipped with a warning; UCX offers DRAM and VRAM."""
+    x = b.agent("X", backends=["NOPE"])
+    y = b.agent("Y")
+    return [list(x.backends), y.get_backend_mem_types("UCX")]
+
+
+@case(["nixlInvalidParamError", "nixlNotFoundError"])
+def create_backend_twice_or_unknown(b: Backend):
+    """Row 2: creating UCX again is INVALID_PARAM; an unknown plugin is NOT_FOUND."""
+    a = b.agent("A")
+    return [observe(lambda: a.create_backend("UCX")), observe(lambda: a.create_backend("NOPE"))]
+
+
+@case([True, "nixlNotAllowedError", "A"])
+def duplicate_agent_name(b: Backend):
+    """Row 1: two agents may share a name; a peer that knows the first refuses the second's metadata."""
+    a1, a2, p = b.agent("A"), b.agent("A"), b.agent("P")
+    p.add_remote_agent(a1.get_agent_metadata())
+    return [a1.get_agent_metadata() != a2.get_agent_metadata(),
+            observe(lambda: p.add_remote_agent(a2.get_agent_metadata())),
+            observe(lambda: p.add_remote_agent(a1.get_agent_metadata()).decode())]
+
+
+# -- registration ------------------------------------------------------------------------------------------
+@case([1, "DRAM_SEG", [N, 0, "b''"]])
+def register_tensor(b: Backend):
+    """Row 5: register_memory returns the nixlRegDList it registered, meta as bytes."""
+    a, t = b.agent("A"), b.buf(N)
+    descs = a.register_memory(t)
+    addr, length, dev, meta = descs[0]
+    return [descs.descCount(), descs.getType().name.replace("VRAM", "DRAM"), [length, dev, repr(meta)]]
+
+
+@case([None, None, "DONE"], rocm_strict=[None, "nixlBackendError", "DONE"])
+def register_same_range_twice(b: Backend):
+    """Row 3: the same range registered twice is accepted (rocm-strict: the second is refused)."""
+    a, t = b.agent("A"), b.buf(N, 3)
+    u = b.buf(N)
+    first = observe(lambda: b.reg(a, t) and None)
+    second = observe(lambda: b.reg(a, t) and None)
+    b.reg(a, u)
+    h = a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A")
+    a.transfer(h)
+    return [first, second, _finish(b, a, h)]
+
+
+@case([None, "nixlNotFoundError"], rocm_strict=["nixlBackendError", "nixlNotFoundError"])
+def register_overlapping_ranges(b: Backend):
+    """Row 4: overlapping ranges are accepted; a descriptor spanning two regions is NOT_FOUND at creation."""
+    a, t, u = b.agent("A"), b.buf(3 * 1024), b.buf(3 * 1024)
+    b.reg(a, t, offset=0, length=2048)
+    second = observe(lambda: b.reg(a, t, offset=1024, length=2048) and None)
+    b.reg(a, u)
+    spanning = observe(lambda: a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A") and None)
+    return [second, spanning]
+
+
+@case(["TypeError", "TypeError", None])
+def register_bad_descriptor_shapes(b: Backend):
+    """Row 5: 3-tuples or a missing mem_type log an error and become a TypeError; an Nx3 array is accepted."""
+    a, t = b.agent("A"), b.buf(N)
+    rows = np.array([list(b.xd(t)[0])], dtype=np.uint64)
+    return [observe(lambda: a.register_memory(b.xd(t), b.memory)),
+            observe(lambda: a.register_memory(b.rd(t))),
+            observe(lambda: a.register_memory(rows, b.memory) and None)]
+
+
+@case("TypeError")
+def register_noncontiguous_tensor(b: Backend):
+    """Row 5: a non-contiguous tensor is refused (logged, then TypeError)."""
+    import torch
+
+    a = b.agent("A")
+    return observe(lambda: a.register_memory(torch.zeros(8, 8, device=b.device)[:, 1]))
+
+
+@case([None, None])
+def register_degenerate_ranges(b: Backend):
+    """Row 6: zero length and a tiny address are accepted (no validation)."""
+    a, t = b.agent("A"), b.buf(N)
+    return [observe(lambda: a.register_memory([(t.data_ptr(), 0, b.dev(t), "")], b.memory) and None),
+            observe(lambda: a.register_memory([(0x10, 16, b.dev(t), "")], b.memory) and None)]
+
+
+@case("nixlBackendError", cuda=None, rocm_strict=None)
+def register_as_vram(b: Backend):
+    """Row 7: the run's memory registered as VRAM: host memory is refused by UCX, device memory accepted."""
+    a, t = b.agent("A"), b.buf(N)
+    return observe(lambda: a.register_memory(b.rd(t), "VRAM") and None)
+
+
+@case("nixlNotFoundError")
+def register_file_type(b: Backend):
+    """Row 7: FILE memory has no backend in a UCX-only agent."""
+    a, t = b.agent("A"), b.buf(N)
+    return observe(lambda: a.register_memory(b.rd(t), "FILE"))
+
+
+@case(["nixlNotFoundError", "nixlNotFoundError", None, "nixlNotFoundError"])
+def deregister_matching(b: Backend):
+    """Row 8: exact match on (devId, addr, len), meta ignored; a second deregistration is NOT_FOUND."""
+    a, t = b.agent("A"), b.buf(N)
+    b.reg(a, t)
+    (addr, n, dev, _), = b.rd(t)
+    return [observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n // 2, dev, "")], b.memory))),
+            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev + 1, "")], b.memory))),
+            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "other")], b.memory))),
+            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "")], b.memory)))]
+
+
+@case(["nixlNotFoundError", True, "ok", "nixlNotFoundError", None])
+def deregister_all_or_nothing(b: Backend):
+    """Row 8, and a quirk of 1.5.1: a list with one unknown entry raises NOT_FOUND and deregisters nothing (the
+    metadata is unchanged, the known entry is still usable locally and can still be deregistered), yet a loopback
+    request naming that entry as its remote side is NOT_FOUND from then on."""
+    a, t, u = b.agent("A"), b.buf(N, 5), b.buf(N)
+    b.reg(a, t)
+    b.reg(a, u)
+    md = a.get_agent_metadata()
+    bad = b.rd(t) + [(t.data_ptr() + 8, 8, b.dev(t), "")]
+    outcome = observe(lambda: a.deregister_memory(a.get_reg_descs(bad, b.memory)))
+    as_local = observe(lambda: a.initialize_xfer("READ", b.descs(a, t), b.descs(a, u), "A") and "ok")
+    as_remote = observe(lambda: a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A") and "ok")
+    return [outcome, md == a.get_agent_metadata(), as_local, as_remote,
+            observe(lambda: a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory)))]
+
+
+# -- metadata ----------------------------------------------------------------------------------------------
+@case([True, True, True, True])
+def metadata_is_stable_and_grows(b: Backend):
+    """Row 9: metadata is bytes, identical when asked twice, and grows with every registered region."""
+    a = b.agent("A")
+    sizes = [len(a.get_agent_metadata())]
+    bufs = [b.buf(N, 1), b.buf(N, 2)]  # kept alive: a freed buffer's address comes back for the next one
+    for t in bufs:
+        b.reg(a, t)
+        sizes.append(len(a.get_agent_metadata()))
+    return [isinstance(a.get_agent_metadata(), bytes), a.get_agent_metadata() == a.get_agent_metadata(),
+            sizes[0] < sizes[1], sizes[1] < sizes[2]]
+
+
+@case(["nixlNotFoundError", "A", "DONE", "DONE"])
+def stale_metadata_until_reload(b: Backend):
+    """Row 10: a region registered after the peer loaded us is NOT_FOUND there until it reloads; the reload is
+    additive and the old handle stays valid."""
+    a, t, bb, u = _pair(b)
+    old, _ = _read(b, bb, u, t)
+    _finish(b, bb, old)
+    t2 = b.buf(N, 9)
+    b.reg(a, t2)
+    before = observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t2), "A"))
+    name = bb.add_remote_agent(a.get_agent_metadata()).decode()
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t2), "A")
+    bb.transfer(h)
+    new = _finish(b, bb, h)
+    bb.transfer(old)
+    return [before, name, new, _finish(b, bb, old)]
+
+
+@case([True, "A", "DONE"], rdma=[False, "nixlNotAllowedError", "nixlRemoteDisconnectError"])
+def reregister_same_range(b: Backend):
+    """Row 11: deregister + register of the same range gives byte-identical metadata; the peer's reload is fine and
+    its old handle still posts.  rdma: a new remote key, refused on reload; the old handle fails."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    md1 = a.get_agent_metadata()
+    a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory))
+    b.reg(a, t)
+    md2 = a.get_agent_metadata()
+    reload = observe(lambda: bb.add_remote_agent(md2).decode())
+    return [md1 == md2, reload, observe(lambda: bb.transfer(h) and _finish(b, bb, h))]
+
+
+@case(["nixlInvalidParamError", "nixlMismatchError", "nixlMismatchError", "nixlMismatchError"])
+def load_bad_metadata(b: Backend):
+    """Row 12: own metadata is INVALID_PARAM; garbage, empty or truncated bytes are MISMATCH."""
+    a, bb = b.agent("A"), b.agent("B")
+    md = bb.get_agent_metadata()
+    return [observe(lambda: a.add_remote_agent(a.get_agent_metadata())), observe(lambda: a.add_remote_agent(b"x")),
+            observe(lambda: a.add_remote_agent(b"")), observe(lambda: a.add_remote_agent(md[: len(md) // 2]))]
+
+
+@case(["bytes", "A", "A"])
+def load_same_metadata_twice(b: Backend):
+    """Row 13: add_remote_agent returns the name as bytes, and the same metadata again is a no-op success."""
+    a, bb = b.agent("A"), b.agent("B")
+    first = bb.add_remote_agent(a.get_agent_metadata())
+    second = bb.add_remote_agent(a.get_agent_metadata())
+    return [type(first).__name__, first.decode(), second.decode()]
+
+
+@case([False, True, True, False])
+def check_remote_metadata(b: Backend):
+    """Row 14: False before loading, True after (also with no regions), with descriptors True only if covered."""
+    a, t = b.agent("A"), b.buf(N)
+    bb = b.agent("B")
+    before = bb.check_remote_metadata("A")
+    empty = b.agent("E")
+    bb.add_remote_agent(empty.get_agent_metadata())
+    b.reg(a, t)
+    bb.add_remote_agent(a.get_agent_metadata())
+    covered = bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t), b.memory))
+    outside = bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t, offset=N - 8, length=16), b.memory))
+    return [before, bb.check_remote_metadata("E"), covered, outside]
+
+
+@case([True, "A", True, False])
+def partial_metadata(b: Backend):
+    """Partial metadata carries only the named regions (and the connection if asked); it loads like the full one."""
+    a, t1, t2 = b.agent("A"), b.buf(N, 1), b.buf(N, 2)
+    d1 = b.reg(a, t1)
+    b.reg(a, t2)
+    part = a.get_partial_agent_metadata(d1, inc_conn_info=True)
+    bb = b.agent("B")
+    name = bb.add_remote_agent(part).decode()
+    return [len(part) < len(a.get_agent_metadata()), name,
+            bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t1), b.memory)),
+            bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t2), b.memory))]
+
+
+@case(["nixlInvalidParamError"] * 3)
+def metadata_exchange_without_store(b: Backend):
+    """Row 15: send/fetch/invalidate with no address and no central store are INVALID_PARAM."""
+    a = b.agent("A")
+    return [observe(a.invalidate_local_metadata), observe(a.send_local_metadata),
+            observe(lambda: a.fetch_remote_metadata("B"))]
+
+
+@case(["nixlNotFoundError", "nixlNotSupportedError", "nixlNoTelemetryError", [0, 0, "UNKNOWN"], "UCX"])
+def misc_queries(b: Backend):
+    """Row 16: make_connection to an unknown peer, query_memory, telemetry off, the cost estimate, the backend."""
+    a, t, bb, u = _pair(b)
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
+    return [observe(lambda: bb.make_connection("X")), observe(lambda: a.query_memory(b.rd(t), "UCX", b.memory)),
+            observe(lambda: bb.get_xfer_telemetry(h)), list(bb.estimate_xfer_cost(h)), bb.query_xfer_backend(h)]
+
+
+# -- transfers ---------------------------------------------------------------------------------------------
+@case([True, "DONE", True])
+def read_initialize_xfer(b: Backend):
+    """Row 17: a READ through initialize_xfer moves the bytes; transfer() says PROC or DONE."""
+    a, t, bb, u = _pair(b)
+    h, first = _read(b, bb, u, t)
+    return [first in ("PROC", "DONE"), _finish(b, bb, h), b.same(t, u)]
+
+
+@case([True, "DONE", True])
+def write_initialize_xfer(b: Backend):
+    """Row 17: a WRITE moves the bytes to the target."""
+    a, t, bb, u = _pair(b)
+    u.fill_(11)
+    h = bb.initialize_xfer("WRITE", b.descs(bb, u), b.descs(bb, t), "A")
+    first = bb.transfer(h)
+    return [first in ("PROC", "DONE"), _finish(b, bb, h), b.same(t, u)]
+
+
+@case(["DONE", True, "DONE", True])
+def read_prepped(b: Backend):
+    """Row 21: prep_xfer_dlist + make_prepped_xfer with int32 or int64 numpy indices."""
+    a, t, bb, u = _pair(b)
+    half = N // 2
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u, 0, half) + b.xd(u, half, half), b.memory)
+    remote = bb.prep_xfer_dlist("A", b.xd(t, 0, half) + b.xd(t, half, half), b.memory)
+    out = []
+    for dtype in (np.int32, np.int64):
+        u.zero_()
+        h = bb.make_prepped_xfer("READ", local, np.array([1, 0], dtype=dtype), remote, np.array([1, 0], dtype=dtype))
+        bb.transfer(h)
+        out += [_finish(b, bb, h), b.same(t, u)]
+    return out
+
+
+@case([{"B": ["hi"]}, {"B": ["x", "x"]}])
+def transfer_notifications(b: Backend):
+    """Row 19: the target receives the notif after the transfer; an override at transfer() persists."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t, notif=b"hi")
+    _finish(b, bb, h)
+    first = b.wait(a.get_new_notifs)
+    bb.transfer(h, b"x")
+    _finish(b, bb, h)
+    got: dict = {}
+    b.wait(lambda: [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()] and False or
+           len(got.get("B", [])) >= 1)
+    bb.transfer(h)
+    _finish(b, bb, h)
+    b.wait(lambda: [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()] and False or
+           len(got.get("B", [])) >= 2)
+    return [{k: [m.decode() for m in v] for k, v in first.items()}, {k: [m.decode() for m in v] for k, v in got.items()}]
+
+
+@case([None, {"B": ["yo"]}, "nixlNotFoundError"])
+def standalone_notification(b: Backend):
+    """send_notif reaches a known peer; towards an unknown name it is NOT_FOUND."""
+    a, t, bb, u = _pair(b)
+    sent = observe(lambda: bb.send_notif("A", b"yo"))
+    got = b.wait(a.get_new_notifs)
+    return [sent, {k: [m.decode() for m in v] for k, v in got.items()}, observe(lambda: bb.send_notif("X", b"x"))]
+
+
+@case(["DONE", True])
+def repost_done_handle(b: Backend):
+    """Row 17: a DONE handle can be posted again and moves the current bytes."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    t.fill_(42)
+    bb.transfer(h)
+    return [_finish(b, bb, h), b.same(t, u)]
+
+
+@case("nixlRepostActiveError")
+def repost_active_handle(b: Backend):
+    """Reposting a READ whose state nobody has checked yet is REPOST_ACTIVE."""
+    a, t, bb, u = _pair(b)
+    h, first = _read(b, bb, u, t)
+    if first == "DONE":
+        return "completed at post"
+    return observe(lambda: bb.transfer(h))
+
+
+@case(["nixlNotFoundError", "KeyError"])
+def unknown_peer_or_operation(b: Backend):
+    """Row 20: an unknown remote agent is NOT_FOUND; an unknown operation string is a KeyError."""
+    a, t, bb, u = _pair(b)
+    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "X")),
+            observe(lambda: bb.initialize_xfer("MOVE", b.descs(bb, u), b.descs(bb, t), "A"))]
+
+
+@case(["nixlNotFoundError"] * 4)
+def descriptor_outside_registration(b: Backend):
+    """Row 20: a local or remote descriptor outside every registration (even 4 B past the end) is NOT_FOUND at
+    creation and at preparation."""
+    a, t, bb, u = _pair(b)
+    past = b.xd(t, offset=4, length=N)
+    loc_past = b.xd(u, offset=4, length=N)
+    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(past, b.memory), "A")),
+            observe(lambda: bb.initialize_xfer("READ", bb.get_xfer_descs(loc_past, b.memory), b.descs(bb, t), "A")),
+            observe(lambda: bb.prep_xfer_dlist("A", past, b.memory)),
+            observe(lambda: bb.prep_xfer_dlist("NIXL_INIT_AGENT", loc_past, b.memory))]
+
+
+@case(["nixlInvalidParamError", "nixlInvalidParamError"])
+def length_or_count_mismatch(b: Backend):
+    """Row 20: different lengths or descriptor counts are INVALID_PARAM."""
+    a, t, bb, u = _pair(b)
+    two = b.xd(t, 0, N // 2) + b.xd(t, N // 2, N // 2)
+    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(b.xd(t, 0, N // 2),
+                                                                                         b.memory), "A")),
+            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(two, b.memory), "A"))]
+
+
+@case(["DONE", "DONE", True])
+def zero_length_and_loopback(b: Backend):
+    """Row 20: a zero-length descriptor is fine; a transfer to one's own name (loopback) moves bytes."""
+    a, t = b.agent("A"), b.buf(N, 4)
+    u = b.buf(N)
+    b.reg(a, t)
+    b.reg(a, u)
+    z = a.initialize_xfer("READ", a.get_xfer_descs(b.xd(u, 0, 0), b.memory),
+                          a.get_xfer_descs(b.xd(t, 0, 0), b.memory), "A")
+    a.transfer(z)
+    h = a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A")
+    a.transfer(h)
+    return [_finish(b, a, z), _finish(b, a, h), b.same(t, u)]
+
+
+@case(["nixlInvalidParamError"] * 5)
+def prepped_bad_indices(b: Backend):
+    """Row 21: out-of-range, negative or empty indices, a count mismatch and swapped sides are INVALID_PARAM."""
+    a, t, bb, u = _pair(b)
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u), b.memory)
+    remote = bb.prep_xfer_dlist("A", b.xd(t), b.memory)
+    mk = bb.make_prepped_xfer
+    return [observe(lambda: mk("READ", local, [1], remote, [0])), observe(lambda: mk("READ", local, [-1], remote, [0])),
+            observe(lambda: mk("READ", local, [], remote, [])), observe(lambda: mk("READ", local, [0, 0], remote, [0])),
+            observe(lambda: mk("READ", remote, [0], local, [0]))]
+
+
+@case(["DONE", "nixlInvalidParamError"])
+def released_dlists(b: Backend):
+    """Row 21-22: a request made before its dlists were released still posts; making one afterwards fails."""
+    a, t, bb, u = _pair(b)
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u), b.memory)
+    remote = bb.prep_xfer_dlist("A", b.xd(t), b.memory)
+    h = bb.make_prepped_xfer("READ", local, [0], remote, [0])
+    bb.release_dlist_handle(local)
+    bb.release_dlist_handle(remote)
+    bb.transfer(h)
+    return [_finish(b, bb, h), observe(lambda: bb.make_prepped_xfer("READ", local, [0], remote, [0]))]
+
+
+@case([None, None, "DONE"], cuda=[None, None, "nixlInvalidParamError"], rdma=[None, None, "nixlInvalidParamError"],
+      rocm_strict=[None, None, "nixlInvalidParamError"])
+def release_twice_then_check(b: Backend):
+    """Row 22: a second release is a silent no-op; checking a released handle reads a stale DONE (stricter
+    profiles raise instead)."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    return [observe(lambda: bb.release_xfer_handle(h)), observe(lambda: bb.release_xfer_handle(h)),
+            observe(lambda: bb.check_xfer_state(h))]
+
+
+@case("SIGSEGV", isolate=True, cuda="nixlInvalidParamError", rdma="nixlInvalidParamError",
+      rocm_strict="nixlInvalidParamError")
+def post_released_handle(b: Backend):
+    """Row 22: posting a released request kills the process in 1.5.1; stricter profiles raise instead."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    h.release()
+    return observe(lambda: bb.transfer(h))
+
+
+@case(["DONE", True, "nixlNotFoundError"], rdma=["nixlBackendError", False, "nixlNotFoundError"])
+def local_deregister_then_post(b: Backend):
+    """Row 23: after the initiator deregisters its buffer an existing handle still posts (cma); a new request
+    is NOT_FOUND.  rdma: the stale local key fails the post."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    u.zero_()
+    bb.deregister_memory(bb.get_reg_descs(b.rd(u), b.memory))
+    posted = observe(lambda: bb.transfer(h) and _finish(b, bb, h))
+    return [posted, b.same(t, u), observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A"))]
+
+
+@case(["DONE", True], rdma=["nixlRemoteDisconnectError", False])
+def target_deregister_then_post(b: Backend):
+    """Row 24: the target deregistering does not stop a peer's handle (no remote check on cma/NVLink)."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    u.zero_()
+    a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory))
+    return [observe(lambda: bb.transfer(h) and _finish(b, bb, h)), b.same(t, u)]
+
+
+@case("nixlRemoteDisconnectError", needs=("host-memory",))
+def target_unmaps_memory(b: Backend):
+    """Row 25: the target deregisters and unmaps; the next post fails the endpoint with RemoteDisconnect."""
+    a, bb, u = b.agent("A"), b.agent("B"), b.buf(N)
+    m = b.mmap(N)
+    a.register_memory(m.rd(), "DRAM")
+    b.reg(bb, u)
+    bb.add_remote_agent(a.get_agent_metadata())
+    h = bb.initialize_xfer("READ", bb.get_xfer_descs(b.xd(u), b.memory), bb.get_xfer_descs(m.xd(), "DRAM"), "A")
+    bb.transfer(h)
+    _finish(b, bb, h)
+    a.deregister_memory(a.get_reg_descs(m.rd(), "DRAM"))
+    m.unmap()
+    return observe(lambda: bb.transfer(h) and _finish(b, bb, h))
+
+
+@case("nixlNotPostedError")
+def check_before_post(b: Backend):
+    """The state of a request that was never posted."""
+    a, t, bb, u = _pair(b)
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
+    return observe(lambda: bb.check_xfer_state(h))
+
+
+# -- peers ---------------------------------------------------------------------------------------------------
+@case(["PROC", None, "nixlNotFoundError", "DONE", "nixlNotFoundError", False, None])
+def remove_remote_agent(b: Backend):
+    """Removing a peer invalidates handles towards it: a post is NOT_FOUND, a check of one in flight is NOT_FOUND,
+    a DONE state stays DONE; removing an unknown name is silent."""
+    a, t, bb, u = _pair(b)
+    flying, first = _read(b, bb, u, t)  # the first READ on a new endpoint is PROC; nobody checks it
+    done, _ = _read(b, bb, u, t)
+    _finish(b, bb, done)
+    return [first, observe(lambda: bb.remove_remote_agent("A")), observe(lambda: bb.transfer(done)),
+            observe(lambda: bb.check_xfer_state(done)), observe(lambda: bb.check_xfer_state(flying)),
+            bb.check_remote_metadata("A"), observe(lambda: bb.remove_remote_agent("nobody"))]
+
+
+@case(["A", "nixlNotFoundError", "DONE"])
+def remove_and_readd(b: Backend):
+    """Row 26: after remove + add, new handles work and the old ones stay NOT_FOUND."""
+    a, t, bb, u = _pair(b)
+    old, _ = _read(b, bb, u, t)
+    _finish(b, bb, old)
+    bb.remove_remote_agent("A")
+    name = bb.add_remote_agent(a.get_agent_metadata()).decode()
+    h, _ = _read(b, bb, u, t)
+    return [name, observe(lambda: bb.transfer(old)), _finish(b, bb, h)]
+
+
+@case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", None, "nixlRemoteDisconnectError",
+       "nixlNotAllowedError", "A", "nixlNotFoundError", "DONE"])
+def destroyed_peer(b: Backend):
+    """Row 26: a destroyed peer stays known (check True), posts and notifs raise RemoteDisconnect, new requests can
+    still be made; a new agent under its name is NOT_ALLOWED until it is removed; old handles are then NOT_FOUND."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    del a
+    b.collect()
+    known = bb.check_remote_metadata("A")
+    post = observe(lambda: bb.transfer(h))
+    notif = observe(lambda: bb.send_notif("A", b"x"))
+    made = observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A") and None)
+    post_new = observe(lambda: bb.transfer(bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")))
+    a2 = b.agent("A")
+    b.reg(a2, t)
+    readd = observe(lambda: bb.add_remote_agent(a2.get_agent_metadata()))
+    bb.remove_remote_agent("A")
+    name = bb.add_remote_agent(a2.get_agent_metadata()).decode()
+    h2, _ = _read(b, bb, u, t)
+    return [known, post, notif, made, post_new, readd, name, observe(lambda: bb.transfer(h)), _finish(b, bb, h2)]
+
+
+@case(["DONE", "nixlRemoteDisconnectError"])
+def handle_keeps_agent_alive(b: Backend):
+    """Row 27: dropping the Python agent while one of its handles lives keeps the C++ agent (peers still read
+    from it); dropping the handle destroys it."""
+    a, t, bb, u = _pair(b)
+    keep = a.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(t), b.memory)
+    h, _ = _read(b, bb, u, t)
+    _finish(b, bb, h)
+    del a
+    b.collect()
+    alive = observe(lambda: bb.transfer(h) and _finish(b, bb, h))
+    del keep
+    b.collect()
+    return [alive, observe(lambda: bb.transfer(h) and _finish(b, bb, h))]
+
+
+@case(["PROC", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError"], transport="tcp")
+def target_destroyed_in_flight(b: Backend):
+    """Row 26 (tcp): a READ still in flight (the first one on a new connection) when its target is destroyed
+    raises RemoteDisconnect at the next check, and keeps raising it."""
+    a, t, bb, u = _pair(b, 64 << 20)
+    h, first = _read(b, bb, u, t)
+    del a
+    b.collect()
+    return [first, observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE")),
+            observe(lambda: bb.check_xfer_state(h))]
+
+
+# -- two processes -------------------------------------------------------------------------------------------
+@case(["A", "DONE", True, "B"])
+def two_process_read(b: Backend):
+    """Two OS processes: each loads the other's metadata; the peer READs our buffer and the parent reads its."""
+    p = b.peer("A")
+    try:
+        bb, u = b.agent("B"), b.buf(p.nbytes, 0)
+        b.reg(bb, u)
+        name = bb.add_remote_agent(p.md).decode()
+        h = bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs([(p.addr, p.nbytes, 0)], "DRAM"), "A")
+        bb.transfer(h)
+        done = _finish(b, bb, h)
+        added = p.call("add", bb.get_agent_metadata())
+        return [name, done, bool((u.cpu() == PATTERN).all()), added.decode() if isinstance(added, bytes) else added]
+    finally:
+        p.close()
+
+
+@case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", True, "nixlNotAllowedError", "A", "DONE"],
+      transport="tcp")
+def kill_target_mid_read(b: Backend):
+    """Row 30 (tcp): SIGKILL the target during a READ: the next check raises RemoteDisconnect, later posts too, the
+    peer stays known; a restarted target under the same name is NOT_ALLOWED until removed, then works."""
+    p = b.peer("A", 8 << 20)
+    bb, u = b.agent("B"), b.buf(p.nbytes, 0)
+    b.reg(bb, u)
+    bb.add_remote_agent(p.md)
+    h = bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs([(p.addr, p.nbytes, 0)], "DRAM"), "A")
+    state = bb.transfer(h)
+    p.kill()
+    seen = observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE", tries=50))
+    out = [state == "PROC", seen, observe(lambda: bb.transfer(h)), bb.check_remote_metadata("A")]
+    p2 = b.peer("A", 8 << 20)
+    try:
+        out.append(observe(lambda: bb.add_remote_agent(p2.md)))
+        bb.remove_remote_agent("A")
+        out.append(bb.add_remote_agent(p2.md).decode())
+        h2 = bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs([(p2.addr, p2.nbytes, 0)], "DRAM"), "A")
+        bb.transfer(h2)
+        out.append(_finish(b, bb, h2))
+    finally:
+        p2.close()
+    return out
+
+
+@case([{"B": ["hello"]}, "nixlRemoteDisconnectError", True])
+def kill_initiator(b: Backend):
+    """Row 31: the initiator dies; the target is not told: its notif to the dead peer raises RemoteDisconnect and
+    check_remote_metadata stays True."""
+    a, t = b.agent("A"), b.buf(N, PATTERN)
+    b.reg(a, t)
+    p = b.peer("B")
+    a.add_remote_agent(p.md)
+    p.call("add", a.get_agent_metadata())
+    p.call("notif", "A", b"hello")
+    got = b.wait(a.get_new_notifs)
+    p.kill()
+    b.wait(lambda: False, tries=5)
+    return [{k: [m.decode() for m in v] for k, v in got.items()}, observe(lambda: a.send_notif("B", b"x")),
+            a.check_remote_metadata("B")]

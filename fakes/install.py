@@ -1,0 +1,55 @@
+"""Import shims: inside ``with fakes.installed():`` client code's ``import nixl._api`` gets the fake.
+
+Every package name that vLLM, SGLang and Ray import NIXL under is covered: ``nixl`` (the meta package),
+``nixl_cu12``, ``nixl_cu13``, ``rixl`` (ROCm, older) and ``nixl_rocm`` (ROCm, newer).  Whatever those names meant
+before the block (the real wheel, or nothing) is restored afterwards, so one test session can use both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Iterator
+
+from .nixl import _api, _bindings
+from .nixl._fabric import FakeFabric, use_fabric
+
+NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu13", "rixl", "nixl_rocm")
+
+
+def _package(name: str) -> dict[str, types.ModuleType]:
+    pkg = types.ModuleType(name, f"epsim fake standing in for {name} (NIXL 1.5.1)")
+    pkg.__path__ = []  # a package, so that `import name._api` resolves through sys.modules
+    pkg.__epsim_fake__ = True
+    pkg._api, pkg._bindings = _api, _bindings
+    for export in ("DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
+                   "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle"):
+        setattr(pkg, export, getattr(_api, export))
+    return {name: pkg, f"{name}._api": _api, f"{name}._bindings": _bindings}
+
+
+@contextlib.contextmanager
+def installed(fabric: FakeFabric | None = None) -> Iterator[FakeFabric | None]:
+    """Make the fake NIXL importable under every real name; with ``fabric``, new agents live in it."""
+    shims: dict[str, types.ModuleType] = {}
+    for name in NIXL_PACKAGES:
+        shims.update(_package(name))
+    saved = {name: sys.modules.get(name) for name in shims}
+    sys.modules.update(shims)
+    try:
+        if fabric is None:
+            yield None
+        else:
+            with use_fabric(fabric):
+                yield fabric
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def is_fake(module: types.ModuleType) -> bool:
+    return module in (_api, _bindings) or getattr(module, "__epsim_fake__", False)

@@ -1,0 +1,115 @@
+"""Descriptor lists: ``nixlRegDList`` (addr, len, devId, meta) and ``nixlXferDList`` (addr, len, devId).
+
+Like the pybind11 originals they have no ``len()``; ``descCount()`` counts, items read back as tuples and ``meta``
+reads back as bytes.  They pickle, so ``get_serialized_descs``/``deserialize_descs`` work across processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._status import nixl_mem_t
+
+
+def _as_int(value: Any) -> int:
+    return int(value)
+
+
+class _DList:
+    _arity = 3
+
+    def __init__(self, type: nixl_mem_t, descs: Any = 0) -> None:  # noqa: A002 - the real keyword is `type`
+        self._type = nixl_mem_t(int(type))
+        self._descs: list[tuple] = []
+        if isinstance(descs, int):
+            return  # (type, init_size): the size is a capacity hint only
+        if hasattr(descs, "ndim"):  # numpy Nx3
+            if descs.ndim != 2 or descs.shape[1] != 3:
+                raise ValueError("descs must be a 2D numpy array with 3 columns")
+            for row in descs.tolist():
+                self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
+            return
+        for desc in descs:
+            if not isinstance(desc, tuple) or len(desc) != self._arity:
+                raise ValueError(f"Each descriptor tuple must have exactly {self._arity} elements")
+            self._descs.append(self._make(desc))
+
+    def _make(self, desc: tuple) -> tuple:
+        addr, length, dev = _as_int(desc[0]), _as_int(desc[1]), _as_int(desc[2])
+        if self._arity == 4:
+            meta = desc[3]
+            meta = meta.encode() if isinstance(meta, str) else bytes(meta)
+            return (addr, length, dev, meta)
+        return (addr, length, dev)
+
+    # -- the pybind11 surface -------------------------------------------------------------------------------
+    def getType(self) -> nixl_mem_t:
+        return self._type
+
+    def descCount(self) -> int:
+        return len(self._descs)
+
+    def isEmpty(self) -> bool:
+        return not self._descs
+
+    def __getitem__(self, i: int) -> tuple:
+        return self._descs[i]
+
+    def __setitem__(self, i: int, desc: tuple) -> None:
+        self._descs[i] = self._make(desc)
+
+    def addDesc(self, desc: tuple) -> None:
+        self._descs.append(self._make(desc))
+
+    append = addDesc
+
+    def remDesc(self, i: int) -> None:
+        del self._descs[i]
+
+    def index(self, desc: tuple) -> int:
+        key = tuple(_as_int(x) for x in desc[:3])
+        for i, d in enumerate(self._descs):
+            if d[:3] == key:
+                return i
+        return -1
+
+    def clear(self) -> None:
+        self._descs.clear()
+
+    def print(self) -> None:
+        print(f"DescList of mem type {self._type.name}")
+        for d in self._descs:
+            print(f"    {d}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._type == self._type and other._descs == self._descs
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getstate__(self):
+        return (int(self._type), list(self._descs))
+
+    def __setstate__(self, state) -> None:
+        self._type = nixl_mem_t(state[0])
+        self._descs = [tuple(d) for d in state[1]]
+
+    # -- helpers the fake agent uses --------------------------------------------------------------------------
+    def _triples(self) -> list[tuple[int, int, int]]:
+        return [d[:3] for d in self._descs]
+
+
+class nixlXferDList(_DList):
+    _arity = 3
+
+
+class nixlRegDList(_DList):
+    _arity = 4
+
+    def trim(self) -> None:
+        pass  # storage hint only
+
+
+class nixlRemoteDList(_DList):
+    """(addr, len, devId, agent name): descriptors for memory views of a remote agent."""
+
+    _arity = 4

@@ -1,0 +1,216 @@
+"""The fabric: the world fake NIXL agents live in (fakeredis's "server").
+
+It owns everything that is shared between agents: the simulated processes and which of them is calling, the live
+agents by connection identity, memory given back to the allocator, transfers and notifications in flight, the
+behaviour profile and the fault board.  Agents are thin; the fabric decides when things happen.
+
+Time: inside the simulator the fabric reads the simulated clock and transfers complete after the time the
+:class:`TimeModel` gives.  Outside it, time is a *tick* counter advanced by every agent call, which stands in for
+NIXL's progress thread: a transfer that takes ``k`` ticks completes during the ``k``-th fabric call after its post,
+whoever makes that call.  Either way nothing depends on the wall clock, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import heapq
+import itertools
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from . import profiles as _profiles
+from ._faults import FaultBoard
+
+if TYPE_CHECKING:
+    from ._agent import AgentCore
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """How long things take inside the simulator (seconds).  ``epsim`` calibrates it against real NIXL."""
+
+    xfer_latency_s: float = 5e-6
+    bandwidth_Bps: float = 40e9  # per transfer request
+    notif_latency_s: float = 5e-6
+
+    def xfer_seconds(self, nbytes: int) -> float:
+        return self.xfer_latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass
+class _SimProcess:
+    pid: int
+    name: str
+    alive: bool = True
+
+
+class FakeFabric:
+    """Shared state of one world of fake NIXL agents."""
+
+    def __init__(
+        self,
+        profile: str | _profiles.Profile = _profiles.DEFAULT,
+        *,
+        clock: Callable[[], float] | None = None,
+        time_model: TimeModel | None = None,
+        transport: str = "cma",
+        whoami: Callable[[], int] | None = None,
+    ) -> None:
+        self.profile = _profiles.get(profile) if isinstance(profile, str) else profile
+        if transport not in ("cma", "tcp"):
+            raise ValueError(f"transport {transport!r} not known; use 'cma' or 'tcp'")
+        self.transport = transport
+        self.time_model = time_model or TimeModel()
+        self._clock = clock
+        self._tick = 0
+        self._whoami = whoami
+        self._pid_stack = [0]
+        self.processes: dict[int, _SimProcess] = {0: _SimProcess(0, "main")}
+        # Connection identity -> live agent.  Weak: the fabric must not keep an agent alive, since an agent's
+        # death (by refcount or by the garbage collector) is exactly what the simulator studies.
+        self.conns: weakref.WeakValueDictionary[str, AgentCore] = weakref.WeakValueDictionary()
+        self._ids = itertools.count(1)
+        self._pending: list[tuple[float, int, Callable[[], None]]] = []  # (due, seq, action) heap
+        self._freed: list[tuple[int, int]] = []  # [lo, hi) ranges given back to the allocator
+        self.faults = FaultBoard(self.now)
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+    def __repr__(self) -> str:
+        return f"<FakeFabric profile={self.profile.name!r} agents={len(self.conns)} now={self.now():g}>"
+
+    # -- time ------------------------------------------------------------------------------------------------
+    @property
+    def simulated(self) -> bool:
+        return self._clock is not None
+
+    def now(self) -> float:
+        return self._clock() if self._clock is not None else float(self._tick)
+
+    def xfer_duration(self, nbytes: int, op: str, wired: bool) -> float:
+        """Ticks (or simulated seconds) from post to completion.  ``wired``: the endpoint is already connected."""
+        if self.simulated:
+            return self.time_model.xfer_seconds(nbytes)
+        if self.transport == "tcp":
+            return 3.0
+        # cma on one host: a WRITE, and a READ on a connected endpoint, are done when transfer() returns; the
+        # first READ towards a peer waits for the endpoint's wire-up, i.e. the next progress step.
+        return 0.0 if op == "WRITE" or wired else 1.0
+
+    def notif_delay(self) -> float:
+        return self.time_model.notif_latency_s if self.simulated else 0.0
+
+    def schedule(self, delay: float, action: Callable[[], None]) -> None:
+        if math.isinf(delay):
+            return  # never happens: a stuck transfer
+        heapq.heappush(self._pending, (self.now() + delay, next(self._ids), action))
+
+    def progress(self) -> None:
+        """Run everything that is due.  Every agent call starts here (NIXL's progress thread, made explicit)."""
+        if self._clock is None:
+            self._tick += 1
+        now = self.now()
+        while self._pending and self._pending[0][0] <= now:
+            _, _, action = heapq.heappop(self._pending)
+            action()
+
+    # -- who is calling -------------------------------------------------------------------------------------
+    def current_process(self) -> int:
+        return self._whoami() if self._whoami is not None else self._pid_stack[-1]
+
+    @contextlib.contextmanager
+    def process(self, pid: int) -> Iterator[int]:
+        """Run a block as simulated process ``pid`` (outside the simulator, which says this itself)."""
+        if pid not in self.processes:
+            raise LookupError(f"simulated process {pid} not found; spawn it with fabric.spawn_process()")
+        self._pid_stack.append(pid)
+        try:
+            yield pid
+        finally:
+            self._pid_stack.pop()
+
+    def spawn_process(self, name: str | None = None) -> int:
+        pid = max(self.processes) + 1
+        self.processes[pid] = _SimProcess(pid, name or f"proc{pid}")
+        self.emit("process.spawn", pid=pid)
+        return pid
+
+    def kill_process(self, pid: int) -> None:
+        """SIGKILL: the process's agents vanish without a word to their peers, as with real NIXL (rows 30, 31)."""
+        proc = self.processes[pid]
+        proc.alive = False
+        for conn in sorted(self.conns.keys()):
+            core = self.conns.get(conn)
+            if core is not None and core.pid == pid:
+                core._vanish()
+        self.emit("process.kill", pid=pid)
+
+    def alive(self, pid: int) -> bool:
+        return self.processes[pid].alive
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def free(self, addr: int, length: int) -> None:
+        """Memory at [addr, addr+length) was given back to the OS (munmap, a freed CUDA allocation)."""
+        self._freed.append((addr, addr + length))
+        self.emit("memory.free", addr=addr, length=length)
+
+    def reuse(self, addr: int, length: int) -> None:
+        """The allocator handed [addr, addr+length) out again."""
+        lo, hi = addr, addr + length
+        self._freed = [r for r in self._freed if r[1] <= lo or r[0] >= hi]
+
+    def is_freed(self, addr: int, length: int) -> bool:
+        hi = addr + max(length, 1)
+        return any(lo < hi and addr < rhi for lo, rhi in self._freed)
+
+    @staticmethod
+    def copy(dst: int, src: int, length: int) -> None:
+        if length:
+            ctypes.memmove(dst, src, length)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        for listener in self.listeners:
+            listener(kind, fields)
+
+
+_local = threading.local()
+_default: FakeFabric | None = None
+
+
+def default_fabric() -> FakeFabric:
+    """The process-wide fabric that makes the fake usable in a plain test, exactly like the real NIXL."""
+    global _default
+    if _default is None:
+        _default = FakeFabric()
+    return _default
+
+
+def current_fabric() -> FakeFabric:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else default_fabric()
+
+
+@contextlib.contextmanager
+def use_fabric(fabric: FakeFabric) -> Iterator[FakeFabric]:
+    """Agents created inside the block live in ``fabric`` (the simulator gives every run its own)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(fabric)
+    try:
+        yield fabric
+    finally:
+        stack.pop()
+
+
+def reset_default_fabric(profile: str = _profiles.DEFAULT, **kwargs: Any) -> FakeFabric:
+    global _default
+    _default = FakeFabric(profile, **kwargs)
+    return _default

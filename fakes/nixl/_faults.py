@@ -1,0 +1,92 @@
+"""Fault hooks of the fake NIXL: armed as data, fired by the fake at its call sites, counted.
+
+A fault is a *site* (where in the fake it acts) with a filter (which agent initiates, which peer is targeted) and
+parameters.  The simulator arms them from a scenario; a unit test arms them directly::
+
+    fabric.faults.arm("xfer.stuck", agent="eplb-1")
+    fabric.faults.arm("xfer.fail_after", polls=3, error="REMOTE_DISCONNECT")
+
+Every firing is appended to ``fabric.faults.fired`` as ``(site, agent, peer, now)``, so a run can say which armed
+faults fired and which ones it would be implicated in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SITES: dict[str, str] = {
+    "register.fail": "register_memory raises (param error: status name, default BACKEND)",
+    "xfer.stuck": "a posted transfer never leaves PROC",
+    "xfer.fail_after": "the transfer raises at its Nth state check (params: polls, error=REMOTE_DISCONNECT)",
+    "xfer.late": "the transfer completes `delay` later than it would (ticks outside the simulator, seconds inside)",
+    "notif.drop": "a notification (standalone or carried by a transfer) never arrives",
+    "notif.delay": "a notification arrives `delay` later",
+    "peer.disconnect": "the endpoint to `peer` fails at the initiator's Nth post to it (param after_posts, default 0)",
+}
+
+STATUS_BY_NAME = {
+    "NOT_POSTED": -1, "INVALID_PARAM": -2, "BACKEND": -3, "NOT_FOUND": -4, "MISMATCH": -5, "NOT_ALLOWED": -6,
+    "REPOST_ACTIVE": -7, "UNKNOWN": -8, "NOT_SUPPORTED": -9, "REMOTE_DISCONNECT": -10, "CANCELED": -11,
+}
+
+
+@dataclass
+class ArmedFault:
+    site: str
+    agent: str | None = None
+    peer: str | None = None
+    times: int | None = None  # how often it may fire; None: every time it matches
+    params: dict[str, Any] = field(default_factory=dict)
+    fired: int = 0
+    seen: int = 0  # matches so far, for "at the Nth" parameters
+
+    def matches(self, site: str, agent: str | None, peer: str | None) -> bool:
+        if site != self.site or (self.times is not None and self.fired >= self.times):
+            return False
+        return (self.agent is None or self.agent == agent) and (self.peer is None or self.peer == peer)
+
+    def __repr__(self) -> str:
+        who = ", ".join(f"{k}={v!r}" for k, v in (("agent", self.agent), ("peer", self.peer)) if v is not None)
+        extra = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
+        return f"<ArmedFault {self.site}({', '.join(x for x in (who, extra) if x)}) fired={self.fired}>"
+
+
+class FaultBoard:
+    def __init__(self, now) -> None:
+        self._now = now
+        self.armed: list[ArmedFault] = []
+        self.fired: list[tuple[str, str | None, str | None, float]] = []
+
+    def arm(self, site: str, *, agent: str | None = None, peer: str | None = None, times: int | None = None,
+            **params: Any) -> ArmedFault:
+        if site not in SITES:
+            raise LookupError(f"fault site {site!r} not found; known: {', '.join(SITES)}")
+        error = params.get("error")
+        if error is not None and error not in STATUS_BY_NAME:
+            raise ValueError(f"fault error {error!r} is not a NIXL status; use one of {', '.join(STATUS_BY_NAME)}")
+        fault = ArmedFault(site, agent, peer, times, dict(params))
+        self.armed.append(fault)
+        return fault
+
+    def disarm_all(self) -> None:
+        """The healing phase of a run: nothing fires any more, what already fired stays recorded."""
+        self.armed.clear()
+
+    def take(self, site: str, agent: str | None, peer: str | None = None, *, nth: str | None = None
+             ) -> ArmedFault | None:
+        """The first armed fault matching this call site, marked as fired; None if none applies.
+
+        With ``nth="after_posts"`` the fault fires only once it has matched ``params[nth]`` times before.
+        """
+        for fault in self.armed:
+            if not fault.matches(site, agent, peer):
+                continue
+            if nth is not None:
+                fault.seen += 1
+                if fault.seen <= int(fault.params.get(nth, 0)):
+                    continue
+            fault.fired += 1
+            self.fired.append((site, agent, peer, self._now()))
+            return fault
+        return None

@@ -1,0 +1,164 @@
+"""Registration and the agent's own metadata.
+
+Facts reproduced (reference rows 3-9, 11): no duplicate or overlap check (except in the ``rocm-strict`` profile);
+a batch is all-or-nothing; deregistration matches (devId, addr, len) exactly, ignores the meta string, and removes
+nothing if any entry misses; metadata is deterministic and, on stable-key profiles, byte-identical after a range is
+deregistered and registered again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from . import _status as S
+from ._faults import STATUS_BY_NAME
+from ._dlist import nixlRegDList, nixlXferDList
+
+MD_TAG = b"nixlSerDes|"
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered range, as a peer sees it in metadata: (mem, addr, len, devId) and its remote key."""
+
+    mem: int
+    addr: int
+    length: int
+    dev: int
+    key: int
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+    def covers(self, mem: int, addr: int, length: int, dev: int) -> bool:
+        return mem == self.mem and dev == self.dev and self.addr <= addr and addr + length <= self.end
+
+    def section(self) -> list[int]:
+        return [self.mem, self.addr, self.length, self.dev, self.key]
+
+
+def encode_md(name: str, conn: str | None, regions: list[Region]) -> bytes:
+    body = {"name": name, "conn": conn, "sections": [r.section() for r in regions]}
+    return MD_TAG + json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_md(blob: bytes) -> tuple[str, str | None, list[Region]]:
+    if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MD_TAG):
+        S.fail(S.MISMATCH, "loadRemoteMD: failed to deserialize remote metadata")
+    try:
+        body = json.loads(bytes(blob)[len(MD_TAG):])
+        return body["name"], body["conn"], [Region(*s) for s in body["sections"]]
+    except (ValueError, KeyError, TypeError):
+        S.fail(S.MISMATCH, "loadRemoteMD: failed to deserialize remote metadata")
+
+
+def _check_dlist(descs: object, cls: type, call: str) -> None:
+    if not isinstance(descs, cls):
+        raise TypeError(f"{call}(): incompatible function arguments. The following argument types are supported:\n"
+                        f"    1. (self: nixlAgent, descs: {cls.__name__}, backends: collections.abc.Sequence) -> None")
+
+
+class MemoryMixin:
+    def _init_memory(self) -> None:
+        self.regions: list[Region] = []
+        # Regions that a failed batch deregistration took out of the agent's loopback view only.  Real 1.5.1:
+        # after deregister_memory([known, unknown]) raises NOT_FOUND, `known` is still registered, still in the
+        # metadata and still usable as a local descriptor, but a loopback request naming it remotely is NOT_FOUND
+        # until it is registered again.
+        self.loopback_hidden: list[Region] = []
+
+    def _key_for(self, mem: int, addr: int, length: int, dev: int) -> int:
+        if self.fabric.profile.stable_keys:
+            # cma and NVLink: the "key" is a function of the range, so re-registration changes nothing (row 11).
+            return (addr * 31 + length * 7 + dev * 3 + mem) & 0xFFFF_FFFF
+        return self.fabric.new_id()
+
+    def registerMem(self, descs: nixlRegDList, backends: list | None = None) -> None:
+        self._enter()
+        _check_dlist(descs, nixlRegDList, "registerMem")
+        mem = descs.getType()
+        if not self._has_backend_for(mem):
+            S.fail(S.NOT_FOUND, f"registerMem: no available backends for mem type '{mem.name}'")
+        profile = self.fabric.profile
+        if mem == S.nixl_mem_t.VRAM_SEG and not profile.vram_ok:
+            S.fail(S.BACKEND, f"nixlUcxContext {self.name}: VRAM memory is detected as host by UCX. UCX is likely "
+                              "not configured with CUDA/ROCm support. VRAM registration cannot proceed.")
+        fault = self.fabric.faults.take("register.fail", self.name)
+        if fault is not None:
+            S.fail(STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
+                   "registerMem: registration failed for the specified or all potential backends "
+                   "(injected fault register.fail)")
+        new = [Region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in descs._triples()]
+        if profile.exclusive_pages:
+            self._refuse_shared_pages(new)
+        self.regions.extend(new)  # all or nothing: nothing above added anything
+        self.loopback_hidden = [r for r in self.loopback_hidden if r not in new]
+        self.fabric.emit("register", agent=self.name, pid=self.pid, ranges=[(r.addr, r.length) for r in new])
+
+    def _refuse_shared_pages(self, new: list[Region]) -> None:
+        # Byte ranges, not whole pages: allocators put unrelated small buffers on one page, and what was reported
+        # on MI355 is registering the *same* memory again, not a neighbour.
+        taken = [r for core in list(self.fabric.conns.values()) if core.pid == self.pid for r in core.regions]
+        for r in new:
+            for other in taken:
+                if r.mem == other.mem and r.addr < other.end and other.addr < r.end:
+                    S.fail(S.BACKEND, f"registerMem: [0x{r.addr:x}, 0x{r.end:x}) overlaps memory already "
+                                      "registered in this process (rocm-strict profile)")
+            taken.append(r)
+
+    def deregisterMem(self, descs: nixlRegDList, backends: list | None = None) -> None:
+        self._enter()
+        _check_dlist(descs, nixlRegDList, "deregisterMem")
+        mem = int(descs.getType())
+        remaining = list(self.regions)
+        matched: list[Region] = []
+        for addr, length, dev in descs._triples():
+            for i, r in enumerate(remaining):
+                if (r.mem, r.addr, r.length, r.dev) == (mem, addr, length, dev):
+                    matched.append(remaining.pop(i))
+                    break
+            else:
+                self.loopback_hidden.extend(matched)
+                if not any(r.mem == mem for r in self.regions):
+                    S.fail(S.NOT_FOUND, f"deregisterMem: no available backends for mem type "
+                                        f"'{S.nixl_mem_t(mem).name}'")
+                S.fail(S.NOT_FOUND, "deregisterMem: deregistration failed on at least one backend with status "
+                                    "NIXL_ERR_NOT_FOUND")
+        self.regions = remaining
+        removed = matched
+        self.loopback_hidden = [r for r in self.loopback_hidden if r not in removed]
+        self.fabric.emit("deregister", agent=self.name, pid=self.pid, ranges=[(r.addr, r.length) for r in removed])
+
+    def getLocalMD(self) -> bytes:
+        self._enter()
+        return encode_md(self.name, self.conn, self.regions)
+
+    def getLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool, backends: list | None = None) -> bytes:
+        self._enter()
+        _check_dlist(descs, nixlRegDList, "getLocalPartialMD")
+        mem = int(descs.getType())
+        picked = []
+        for addr, length, dev in descs._triples():
+            match = [r for r in self.regions if (r.mem, r.addr, r.length, r.dev) == (mem, addr, length, dev)]
+            if not match:
+                S.fail(S.NOT_FOUND, "getLocalPartialMD: descriptor list contains unregistered memory")
+            picked.append(match[0])
+        return encode_md(self.name, self.conn if inc_conn_info else None, picked)
+
+    def _local_region(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
+        for r in self.regions:
+            if r.covers(mem, addr, length, dev):
+                return r
+        return None
+
+    def _loopback_region(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
+        for r in self.regions:
+            if r.covers(mem, addr, length, dev) and r not in self.loopback_hidden:
+                return r
+        return None
+
+    def _xfer_triples(self, descs: nixlXferDList, call: str) -> list[tuple[int, int, int]]:
+        _check_dlist(descs, nixlXferDList, call)
+        return descs._triples()

@@ -1,0 +1,147 @@
+"""Peers: loading metadata, removing peers, checking them, and notifications.
+
+Facts reproduced (rows 1, 10, 12-14, 26, 30, 31): a name comes back as bytes; the same connection loaded again is a
+no-op success whose sections are merged (never removed); a new connection under a known name is NOT_ALLOWED until
+the peer is removed; a destroyed or killed peer stays "known" (``check_remote_metadata`` is True) and every post or
+notification towards it raises ``nixlRemoteDisconnectError``; removing a peer invalidates handles made towards it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _status as S
+from ._memory import Region, decode_md
+
+
+@dataclass
+class Peer:
+    name: str
+    conn: str | None
+    sections: list[Region] = field(default_factory=list)
+    generation: int = 0
+    failed: bool = False  # the endpoint failed: every later operation towards it raises RemoteDisconnect
+    wired: bool = False  # a transfer towards it has completed: the endpoint is connected
+
+    def covers(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
+        for r in self.sections:
+            if r.covers(mem, addr, length, dev):
+                return r
+        return None
+
+
+class PeersMixin:
+    def _init_peers(self) -> None:
+        self.peers: dict[str, Peer] = {}
+        self.inbox: list[tuple[str, bytes]] = []  # (sender name, message), in arrival order
+        self.wired_to_self = False  # loopback endpoint connected
+
+    def loadRemoteMD(self, metadata: bytes) -> bytes:
+        self._enter()
+        name, conn, sections = decode_md(metadata)
+        if name == self.name:
+            S.fail(S.INVALID_PARAM, "loadRemoteMD: remote agent name same as local agent, no need to load metadata")
+        peer = self.peers.get(name)
+        if peer is not None and conn is not None and peer.conn is not None and peer.conn != conn:
+            S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' already loaded with different connection "
+                                  "info; remove it first")
+        if peer is None:
+            if conn is None:
+                S.fail(S.NOT_FOUND, f"loadRemoteMD: no connection info for unknown remote agent '{name}'")
+            peer = Peer(name, conn, generation=self.fabric.new_id())
+            adding = True
+        else:
+            adding = False
+        merged = list(peer.sections)
+        for s in sections:
+            same = [r for r in merged if (r.mem, r.addr, r.length, r.dev) == (s.mem, s.addr, s.length, s.dev)]
+            if same and same[0].key != s.key:
+                if self.fabric.profile.refuse_changed_keys:
+                    S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' sent a new key for a known "
+                                          "descriptor; metadata updates are not allowed")
+                merged[merged.index(same[0])] = s
+            elif not same:
+                merged.append(s)
+        peer.sections = merged
+        if peer.conn is None:
+            peer.conn = conn
+        if adding:
+            self.peers[name] = peer
+        self.fabric.emit("peer.load", agent=self.name, peer=name, sections=len(sections))
+        return name.encode()
+
+    def invalidateRemoteMD(self, name: str) -> None:
+        self._enter()
+        if self.peers.pop(name, None) is not None:
+            self.fabric.emit("peer.remove", agent=self.name, peer=name)
+
+    def checkRemoteMD(self, name: str, descs: Any) -> S.nixl_status_t:
+        self._enter()
+        peer = self.peers.get(name)
+        if peer is None:
+            return S.nixl_status_t.NIXL_ERR_NOT_FOUND
+        mem = int(descs.getType())
+        for addr, length, dev in self._xfer_triples(descs, "checkRemoteMD"):
+            if peer.covers(mem, addr, length, dev) is None:
+                return S.nixl_status_t.NIXL_ERR_NOT_FOUND
+        return S.nixl_status_t.NIXL_SUCCESS
+
+    def makeConnection(self, name: str, backends: list | None = None) -> None:
+        self._enter()
+        if name not in self.peers:
+            S.fail(S.NOT_FOUND, f"makeConnection: metadata for remote agent '{name}' not found")
+
+    # -- reachability -----------------------------------------------------------------------------------------
+    def _target(self, peer: Peer):
+        """The live agent behind ``peer``, or None if it is gone (destroyed, killed, or its endpoint failed)."""
+        if peer.failed:
+            return None
+        core = self.fabric.conns.get(peer.conn)
+        if core is None or not self.fabric.alive(core.pid):
+            return None
+        return core
+
+    def _fail_endpoint(self, peer: Peer, why: str) -> None:
+        peer.failed = True
+        self.fabric.emit("peer.fail", agent=self.name, peer=peer.name, why=why)
+
+    # -- notifications ----------------------------------------------------------------------------------------
+    def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> None:
+        self._enter()
+        peer = self.peers.get(name)
+        if peer is None:
+            S.fail(S.NOT_FOUND, "genNotif: no specified or potential backend could send the inter-agent "
+                                "notifications")
+        target = self._target(peer)
+        if target is None:
+            S.fail(S.REMOTE_DISCONNECT, f"genNotif: remote agent '{name}' is disconnected")
+        self._send_notif(target, peer.name, msg)
+
+    def _send_notif(self, target, peer_name: str, msg: bytes | str) -> None:
+        data = msg.encode() if isinstance(msg, str) else bytes(msg)
+        faults = self.fabric.faults
+        if faults.take("notif.drop", self.name, peer_name) is not None:
+            return
+        delay = self.fabric.notif_delay()
+        late = faults.take("notif.delay", self.name, peer_name)
+        if late is not None:
+            delay += float(late.params.get("delay", 1.0))
+        sender = self.name
+
+        def deliver() -> None:
+            if not target.destroyed:
+                target.inbox.append((sender, data))
+
+        if delay <= 0:
+            deliver()
+        else:
+            self.fabric.schedule(delay, deliver)
+
+    def getNotifs(self, into: dict, backends: list | None = None) -> dict[str, list[bytes]]:
+        self._enter()
+        out = into if into is not None else {}
+        for sender, data in self.inbox:
+            out.setdefault(sender, []).append(data)
+        self.inbox.clear()
+        return out

@@ -1,0 +1,342 @@
+"""Transfers: descriptor-list preparation, requests, posting, state checks and release.
+
+Facts reproduced (rows 4, 17-27): checks happen when a request is created, never at post; a request made from
+prepared lists that were released later still posts; state is only DONE or PROC and every error raises; DONE is
+sticky and a DONE request can be reposted; reposting one in flight is REPOST_ACTIVE; a request towards a peer that
+was removed (or removed and added again) is NOT_FOUND; deregistration does not stop a transfer on cma/NVLink.
+Where 1.5.1 crashes the process (posting a released request), the ``dram`` profile raises :class:`SimulatedCrash`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _status as S
+from ._faults import STATUS_BY_NAME
+from ._memory import Region
+
+NEW, PROC, DONE, ERR, CANCELED = "NEW", "PROC", "DONE", "ERR", "CANCELED"
+_OPS = {0: "READ", 1: "WRITE"}
+
+
+@dataclass
+class PreppedDlist:
+    handle: int
+    side: str  # "local", "remote" (a peer) or "loopback"
+    peer: str | None
+    generation: int | None
+    mem: int
+    triples: list[tuple[int, int, int]]
+    regions: list[Region]
+    released: bool = False
+
+
+@dataclass
+class XferReq:
+    handle: int
+    op: str
+    peer: str  # remote agent name; our own name for loopback
+    generation: int | None  # the peer entry this request was made against
+    pairs: list[tuple[int, int, int]]  # (local addr, remote addr, length)
+    local_regions: list[Region]
+    remote_regions: list[Region]
+    notif: bytes = b""
+    state: str = NEW
+    error: int = 0
+    polls: int = 0
+    epoch: int = 0
+    released: bool = False
+    fail_after: Any = None
+    finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
+    telemetry: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.pairs)
+
+
+@dataclass
+class nixlXferTelemetry:
+    startTime: int = 0
+    postDuration: int = 0
+    xferDuration: int = 0
+    totalBytes: int = 0
+    descCount: int = 0
+
+
+def _handle_value(fabric) -> int:
+    # Real handles are heap pointers; the fake's look alike but are deterministic.
+    return 0x7F00_0000_0000 + fabric.new_id() * 0x40
+
+
+def _indices(values: Any) -> list[int]:
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            S.fail(S.INVALID_PARAM, "makeXferReq: indices must be a 1-D integer array")
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+class XferMixin:
+    def _init_xfer(self) -> None:
+        self.dlists: dict[int, PreppedDlist] = {}
+        self.xfers: dict[int, XferReq] = {}
+
+    # -- where the remote side lives ------------------------------------------------------------------------
+    def _remote_side(self, agent_name: str, call: str):
+        """(side, peer, generation, region lookup) for a remote or loopback name."""
+        if agent_name == self.name:
+            return "loopback", None, self._loopback_region
+        peer = self.peers.get(agent_name)
+        if peer is None:
+            S.fail(S.NOT_FOUND, f"{call}: metadata for remote agent '{agent_name}' not found")
+        return "remote", peer, peer.covers
+
+    def _no_registration(self, call: str) -> None:
+        S.fail(S.NOT_FOUND, f"{call}: no specified or potential backend had the required registrations to be able "
+                            "to do the transfer")
+
+    # -- preparation ----------------------------------------------------------------------------------------
+    def prepXferDlist(self, agent_name: str, descs: Any, *rest: Any) -> int:
+        self._enter()
+        if isinstance(descs, S.nixl_mem_t):  # strided overload: (name, mem, Nx5 array, backends)
+            mem, rows = int(descs), rest[0]
+            triples = [(int(a) + i * int(st), int(n), int(d)) for a, n, d, st, c in rows.tolist() for i in range(int(c))]
+        else:
+            triples = self._xfer_triples(descs, "prepXferDlist")
+            mem = int(descs.getType())
+        if agent_name in ("", S.NIXL_INIT_AGENT):
+            side, peer, lookup = "local", None, self._local_region
+        else:
+            side, peer, lookup = self._remote_side(agent_name, "prepXferDlist")
+        regions = []
+        for addr, length, dev in triples:
+            region = lookup(mem, addr, length, dev)
+            if region is None:
+                self._no_registration("prepXferDlist")
+            regions.append(region)
+        handle = _handle_value(self.fabric)
+        self.dlists[handle] = PreppedDlist(handle, side, None if side == "local" else agent_name,
+                                           peer.generation if peer else None, mem, triples, regions)
+        return handle
+
+    def releasedDlistH(self, handle: int) -> None:
+        dlist = self.dlists.get(handle)
+        if dlist is not None:
+            dlist.released = True
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def makeXferReq(self, op: Any, local_h: int, local_idx: Any, remote_h: int, remote_idx: Any,
+                    notif: bytes | str = b"", backends: list | None = None, skip_desc_merge: bool = False) -> int:
+        self._enter()
+        local, remote = self.dlists.get(local_h), self.dlists.get(remote_h)
+        if local is None or remote is None or local.released or remote.released:
+            S.fail(S.INVALID_PARAM, "makeXferReq: invalid descriptor list handle")
+        if local.side != "local" or remote.side == "local":
+            S.fail(S.INVALID_PARAM, "makeXferReq: local and remote descriptor list handles are swapped")
+        li, ri = _indices(local_idx), _indices(remote_idx)
+        if not li or len(li) != len(ri):
+            S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
+        for i, j in zip(li, ri):
+            if not (0 <= i < len(local.triples)) or not (0 <= j < len(remote.triples)):
+                S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
+        pairs, lregs, rregs = [], [], []
+        for k, (i, j) in enumerate(zip(li, ri)):
+            (la, ln, _), (ra, rn, _) = local.triples[i], remote.triples[j]
+            if ln != rn:
+                S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
+            pairs.append((la, ra, ln))
+            lregs.append(local.regions[i])
+            rregs.append(remote.regions[j])
+        peer = remote.peer if remote.side == "remote" else self.name
+        return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
+
+    def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
+                      notif: bytes | str = b"", backends: list | None = None) -> int:
+        self._enter()
+        lt = self._xfer_triples(local_descs, "createXferReq")
+        rt = self._xfer_triples(remote_descs, "createXferReq")
+        if len(lt) != len(rt):
+            S.fail(S.INVALID_PARAM, f"createXferReq: different descriptor list sizes (local={len(lt)}, "
+                                    f"remote={len(rt)})")
+        for k, (l, r) in enumerate(zip(lt, rt)):
+            if l[1] != r[1]:
+                S.fail(S.INVALID_PARAM, f"createXferReq: length mismatch at index {k}")
+        side, peer, lookup = self._remote_side(remote_agent, "createXferReq")
+        lmem, rmem = int(local_descs.getType()), int(remote_descs.getType())
+        lregs = [self._local_region(lmem, *t) for t in lt]
+        rregs = [lookup(rmem, *t) for t in rt]
+        if None in lregs or None in rregs:
+            self._no_registration("createXferReq")
+        pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt)]
+        return self._new_req(op, remote_agent, peer.generation if peer else None, pairs, lregs, rregs, notif)
+
+    def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:
+        handle = _handle_value(self.fabric)
+        msg = notif.encode() if isinstance(notif, str) else bytes(notif)
+        self.xfers[handle] = XferReq(handle, _OPS[int(op)], peer, generation, pairs, lregs, rregs, msg)
+        return handle
+
+    # -- posting and progress -------------------------------------------------------------------------------
+    def _req(self, handle: int, call: str) -> XferReq:
+        req = self.xfers.get(handle)
+        if req is None:
+            S.fail(S.NOT_FOUND, f"{call}: unknown transfer request handle")
+        return req
+
+    def _stale(self, req: XferReq) -> bool:
+        if req.generation is None:  # loopback
+            return False
+        peer = self.peers.get(req.peer)
+        return peer is None or peer.generation != req.generation
+
+    def _released_use(self, what: str) -> None:
+        if self.fabric.profile.released_handle_use == "crash":
+            raise S.SimulatedCrash("SIGSEGV", f"{what} on a released transfer handle (real NIXL 1.5.1 segfaults)")
+        S.fail(S.INVALID_PARAM, f"{what}: transfer handle was released")
+
+    def _access_error(self, req: XferReq) -> tuple[int, str] | None:
+        """Why the bytes of ``req`` cannot be moved now, as (status, reason), or None if they can."""
+        fabric, profile = self.fabric, self.fabric.profile
+        if req.peer == self.name:
+            target = self
+        else:
+            peer = self.peers.get(req.peer)
+            target = self._target(peer) if peer is not None else None
+            if target is None:
+                return S.REMOTE_DISCONNECT, f"remote agent '{req.peer}' is disconnected"
+        for (la, ra, n), lreg, rreg in zip(req.pairs, req.local_regions, req.remote_regions):
+            if fabric.is_freed(ra, n):
+                return S.REMOTE_DISCONNECT, "remote memory was unmapped: UCX I/O error failed the endpoint"
+            if fabric.is_freed(la, n):
+                if profile.released_handle_use == "crash":
+                    raise S.SimulatedCrash("SIGSEGV", "transfer into local memory that was unmapped")
+                return S.BACKEND, "local memory was unmapped"
+            live_remote = rreg in target.regions
+            if profile.detect_recycled and not live_remote and any(
+                    r.addr == rreg.addr and r.length != rreg.length for r in target.regions):
+                return S.NOT_FOUND, "remote address was recycled with a different extent"
+            if profile.unregistered_access == "fail":
+                if not live_remote:
+                    return S.REMOTE_DISCONNECT, "remote key no longer valid (deregistered): endpoint failed"
+                if lreg not in self.regions:
+                    return S.BACKEND, "local key no longer valid (deregistered)"
+        return None
+
+    def postXferReq(self, handle: int, notif: bytes | str = b"") -> S.nixl_status_t:
+        self._enter()
+        req = self._req(handle, "postXferReq")
+        if req.released:
+            self._released_use("transfer()")
+        if req.state == PROC:
+            S.fail(S.REPOST_ACTIVE, "postXferReq: transfer request is still in progress and cannot be reposted")
+        if self._stale(req):
+            S.fail(S.NOT_FOUND, f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
+                                "transfer request creation; not posting stale handle")
+        if notif:
+            req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (row 19)
+        faults = self.fabric.faults
+        peer = self.peers.get(req.peer)
+        if peer is not None and faults.take("peer.disconnect", self.name, req.peer, nth="after_posts"):
+            self._fail_endpoint(peer, "injected fault peer.disconnect")
+        problem = self._access_error(req)
+        if problem is not None:
+            code, why = problem
+            if code == S.REMOTE_DISCONNECT and peer is not None and not peer.failed:
+                self._fail_endpoint(peer, why)
+            S.fail(code, f"postXferReq: {why}")
+        req.state, req.polls, req.epoch, req.finished = PROC, 0, req.epoch + 1, False
+        req.fail_after = faults.take("xfer.fail_after", self.name, req.peer)
+        wired = self.wired_to_self if req.peer == self.name else (peer is not None and peer.wired)
+        delay = self.fabric.xfer_duration(req.nbytes, req.op, wired)
+        if faults.take("xfer.stuck", self.name, req.peer) is not None:
+            delay = float("inf")
+        else:
+            late = faults.take("xfer.late", self.name, req.peer)
+            if late is not None:
+                delay += float(late.params.get("delay", 1.0))
+        self.fabric.emit("xfer.post", agent=self.name, peer=req.peer, op=req.op, nbytes=req.nbytes)
+        if delay <= 0:
+            self._complete(req, req.epoch)
+            if req.finished:
+                req.state = DONE
+            return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
+        epoch = req.epoch
+        self.fabric.schedule(delay, lambda: self._complete(req, epoch))
+        return S.nixl_status_t.NIXL_IN_PROG
+
+    def _complete(self, req: XferReq, epoch: int) -> None:
+        if req.state != PROC or req.epoch != epoch or self.destroyed:
+            return
+        problem = self._access_error(req)
+        if problem is not None:
+            req.state, req.error = ERR, problem[0]
+            return
+        for la, ra, n in req.pairs:
+            if req.op == "READ":
+                self.fabric.copy(la, ra, n)
+            else:
+                self.fabric.copy(ra, la, n)
+        # Like UCX, the request's state only changes when its owner checks it (a repost before that is
+        # REPOST_ACTIVE even if the bytes have arrived); the target's notification does not wait for that check.
+        req.finished = True
+        if req.peer == self.name:
+            self.wired_to_self = True
+        elif req.peer in self.peers:
+            self.peers[req.peer].wired = True
+        self.fabric.emit("xfer.done", agent=self.name, peer=req.peer, op=req.op, nbytes=req.nbytes)
+        if req.notif:
+            target = self if req.peer == self.name else self._target(self.peers[req.peer])
+            if target is not None:
+                self._send_notif(target, req.peer, req.notif)
+
+    def getXferStatus(self, handle: int) -> S.nixl_status_t:
+        self._enter()
+        req = self._req(handle, "getXferStatus")
+        if req.released:
+            if self.fabric.profile.released_handle_use == "crash":
+                return S.nixl_status_t.NIXL_SUCCESS  # 1.5.1 reads the freed request: a stale DONE (row 22)
+            S.fail(S.INVALID_PARAM, "getXferStatus: transfer handle was released")
+        if req.state != DONE and self._stale(req):  # a DONE state is sticky, even towards a removed peer
+            S.fail(S.NOT_FOUND, f"getXferStatus: remote agent '{req.peer}' was invalidated or re-registered during "
+                                "transfer")
+        if req.state == NEW:
+            S.fail(S.NOT_POSTED, "getXferStatus: transfer request was not posted")
+        if req.state == PROC:
+            req.polls += 1
+            fault = req.fail_after
+            if fault is not None and req.polls >= int(fault.params.get("polls", 1)):
+                req.state = ERR
+                req.error = STATUS_BY_NAME[fault.params.get("error", "REMOTE_DISCONNECT")]
+            elif req.finished:
+                req.state = DONE
+            elif req.peer != self.name and self._target(self.peers[req.peer]) is None:
+                req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (row 26)
+        if req.state == ERR:
+            S.fail(req.error, f"getXferStatus: transfer failed with {S._BY_CODE[req.error][0]}")
+        return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
+
+    def releaseXferReq(self, handle: int) -> None:
+        self._enter()
+        req = self._req(handle, "releaseXferReq")
+        if req.state == PROC:
+            req.state = CANCELED  # UCX cancels the outstanding operations; a completion that comes later is dropped
+        req.released = True
+
+    # -- queries ------------------------------------------------------------------------------------------------
+    def estimateXferCost(self, handle: int) -> tuple[int, int, int]:
+        self._req(handle, "estimateXferCost")
+        return 0, 0, -1  # UCX has no cost model: the Python layer reports method "UNKNOWN"
+
+    def getXferTelemetry(self, handle: int) -> nixlXferTelemetry:
+        req = self._req(handle, "getXferTelemetry")
+        if not self.config.captureTelemetry:
+            S.fail(S.NO_TELEMETRY, "getXferTelemetry: cannot return values when telemetry is not enabled.")
+        return nixlXferTelemetry(totalBytes=req.nbytes, descCount=len(req.pairs))
+
+    def queryXferBackend(self, handle: int) -> int:
+        self._req(handle, "queryXferBackend")
+        return next(iter(self.backends))

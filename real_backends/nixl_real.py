@@ -1,0 +1,121 @@
+"""The catalogue's backend surface on the real NIXL, with peers in real child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+from fakes.conformance.backend import PATTERN, Backend, Peer, peer_command
+
+# Where the real library lives, in the order we try: the meta package maps nixl._api to whichever variant is
+# installed; the variants can also be imported directly.
+NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
+
+
+class NixlUnavailable(RuntimeError):
+    pass
+
+
+def import_real_nixl() -> tuple[Any, Any, str]:
+    """(``_api``, ``_bindings``, package name) of the real NIXL, or NixlUnavailable naming what was tried."""
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            api = importlib.import_module(f"{name}._api")
+            bindings = importlib.import_module(f"{name}._bindings")
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not this one"
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        if getattr(importlib.import_module(name), "__epsim_fake__", False):
+            continue
+        return api, bindings, name
+    raise NixlUnavailable("real NIXL cannot be imported (pip install 'epsim[real]'); tried " + "; ".join(errors))
+
+
+class RealBackend(Backend):
+    name = "real"
+
+    def __init__(self, memory: str = "DRAM") -> None:
+        self.api, self.bindings, self.package = import_real_nixl()
+        self.memory = memory
+        if memory == "VRAM":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise NixlUnavailable("--memory vram needs a CUDA GPU; none is visible")
+            self.device = "cuda"
+
+    def pause(self) -> None:
+        time.sleep(0.005)
+
+    def collect(self) -> None:
+        super().collect()
+        time.sleep(0.05)  # the C++ destructor joins the progress thread after the Python object goes
+
+    def peer(self, name: str, nbytes: int = 4096) -> Peer:
+        return _ChildPeer(self.package, name, nbytes)
+
+
+def _peer_main(package: str, name: str, nbytes: int, conn) -> None:
+    api = importlib.import_module(f"{package}._api")
+    buf = (ctypes.c_uint8 * nbytes)(*([PATTERN] * nbytes))
+    addr = ctypes.addressof(buf)
+    agent = api.nixl_agent(name)
+    agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), addr))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        cmd, args = msg
+        try:
+            conn.send(("ok", peer_command(api, agent, addr, nbytes, cmd, args)))
+        except Exception as exc:  # noqa: BLE001 - report, the parent decides
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+class _ChildPeer(Peer):
+    def __init__(self, package: str, name: str, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.name, self.nbytes = name, nbytes
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_peer_main, args=(package, name, nbytes, child), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(60):
+            self.kill()
+            raise RuntimeError(f"peer process {name} did not start within 60 s")
+        self.md, self.addr = self._conn.recv()
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self._conn.send((cmd, args))
+        if not self._conn.poll(30):
+            raise RuntimeError(f"peer {self.name} did not answer {cmd!r} within 30 s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {self.name}: {value}")
+        return value
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(10)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self.kill()
+
+
+def environment_for(transport: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if transport == "tcp":
+        env["UCX_TLS"] = "tcp"
+    return env

@@ -1,0 +1,147 @@
+"""Run the NIXL behaviour catalogue against a backend and name the profile it matches.
+
+``python -m real_backends.probe --backend real --json`` is what ``epsim conform`` runs in a child process.  Cases that
+may kill the process on the real library, or that need ``UCX_TLS=tcp`` set before UCX starts, each run in a process
+of their own (``--case NAME --raw``); a death by signal is observed as the signal's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+from fakes.conformance import CASES, matched_profile
+from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
+from fakes.nixl.profiles import PROFILES
+
+CASE_TIMEOUT_S = 180
+
+
+def make_backend(backend: str, profile: str = "dram", memory: str = "DRAM", transport: str = "cma"):
+    if backend == "fake":
+        from fakes.conformance.backend import FakeBackend
+
+        return FakeBackend(profile=profile, memory=memory, transport=transport)
+    if backend == "real":
+        from .nixl_real import RealBackend
+
+        return RealBackend(memory=memory)
+    raise LookupError(f"backend {backend!r} not known; use fake or real")
+
+
+def observe_case(name: str, backend: str, profile: str = "dram", memory: str = "DRAM") -> Any:
+    """The observation of one case, in this process."""
+    case = CASES[name]
+    b = make_backend(backend, profile, memory, case.transport)
+    try:
+        return case.fn(b)
+    finally:
+        b.close()
+
+
+def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any:
+    case = CASES[name]
+    env = dict(os.environ)
+    if case.transport == "tcp":
+        env["UCX_TLS"] = "tcp"
+    cmd = [sys.executable, "-m", "real_backends.probe", "--case", name, "--backend", backend, "--profile", profile,
+           "--memory", memory.lower(), "--raw"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"timeout after {CASE_TIMEOUT_S} s"
+    if done.returncode < 0:
+        return signal.Signals(-done.returncode).name
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"error: exit {done.returncode}: {tail}"
+    return json.loads(lines[-1])["observed"]
+
+
+def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: str = "DRAM") -> dict[str, Any]:
+    """One case, judged against ``profile``: a dict with name, outcome (pass/fail/skip), observed, expected."""
+    case = CASES[name]
+    result: dict[str, Any] = {"name": name, "expected": case.expected(profile)}
+    if memory == "VRAM" and "host-memory" in case.needs:
+        return {**result, "outcome": "skip", "reason": "needs host memory (munmap), not run with --memory vram"}
+    try:
+        if backend == "real" and case.isolate:
+            observed = _observe_isolated(name, backend, profile, memory)
+        else:
+            from fakes.conformance import observe
+
+            observed = observe(lambda: observe_case(name, backend, profile, memory))
+    except Exception as exc:  # noqa: BLE001 - a broken case is a failed case, with its reason
+        observed = f"error: {type(exc).__name__}: {exc}"
+    from fakes.conformance.catalogue import _plain
+
+    observed = _plain(observed)
+    outcome = "pass" if observed == result["expected"] else "fail"
+    return {**result, "observed": observed, "outcome": outcome}
+
+
+def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str = "DRAM",
+                  names: list[str] | None = None, progress=None) -> dict[str, Any]:
+    profile = profile or ("cuda" if memory == "VRAM" else "dram")
+    results = []
+    for name in names or list(CASES):
+        results.append(run_case(name, backend, profile, memory))
+        if progress:
+            progress(results[-1])
+    observed = {r["name"]: r["observed"] for r in results if r["outcome"] != "skip"}
+    return {"backend": backend, "profile": profile, "memory": memory, "cases": results,
+            "matched_profile": matched_profile(observed)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m real_backends.probe")
+    parser.add_argument("--backend", choices=["fake", "real"], default="fake")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    parser.add_argument("--memory", choices=["dram", "vram"], default="dram")
+    parser.add_argument("--case", action="append", default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--raw", action="store_true", help="one case, its observation only (internal)")
+    args = parser.parse_args(argv)
+    memory = args.memory.upper()
+    if args.raw:
+        from fakes.conformance import observe
+
+        name = args.case[0]
+        value = observe(lambda: observe_case(name, args.backend, args.profile or "dram", memory))
+        print(json.dumps({"observed": value}), flush=True)
+        os._exit(0)  # skip interpreter teardown with agents alive: the observation is already out
+    unknown = [c for c in args.case or [] if c not in CASES]
+    if unknown:
+        print(f"error: unknown case {unknown[0]!r}; run with --json to list them", file=sys.stderr)
+        return 2
+    try:
+        report = run_catalogue(args.backend, args.profile, memory, args.case,
+                               progress=None if args.json else _print_line)
+    except Exception as exc:  # noqa: BLE001
+        print(f"error: {exc}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        print(f"matched profile: {report['matched_profile']}")
+    failed = any(r["outcome"] == "fail" for r in report["cases"])
+    sys.stdout.flush()
+    os._exit(1 if failed else 0)
+
+
+def _print_line(r: dict[str, Any]) -> None:
+    print(f"{r['outcome']:4}  {r['name']}" + ("" if r["outcome"] == "pass" else f"  observed={r.get('observed')!r} "
+                                                                              f"expected={r['expected']!r}"),
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
