@@ -16,7 +16,8 @@ import sys
 import traceback
 from typing import Any
 
-from fakes.conformance import CASES, matched_profile
+from fakes.conformance import CASES, matched_profile, observe
+from fakes.conformance.catalogue import plain
 from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
 from fakes.nixl.profiles import PROFILES
 
@@ -68,36 +69,42 @@ def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any
 def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: str = "DRAM") -> dict[str, Any]:
     """One case, judged against ``profile``: a dict with name, outcome (pass/fail/skip), observed, expected."""
     case = CASES[name]
-    result: dict[str, Any] = {"name": name, "expected": case.expected(profile)}
     if memory == "VRAM" and "host-memory" in case.needs:
-        return {**result, "outcome": "skip", "reason": "needs host memory (munmap), not run with --memory vram"}
+        return {"name": name, "outcome": "skip", "observed": None, "expected": case.expected(profile),
+                "reason": "needs host memory (munmap); not run with --memory vram"}
     try:
         if backend == "real" and case.isolate:
             observed = _observe_isolated(name, backend, profile, memory)
         else:
-            from fakes.conformance import observe
-
             observed = observe(lambda: observe_case(name, backend, profile, memory))
     except Exception as exc:  # noqa: BLE001 - a broken case is a failed case, with its reason
         observed = f"error: {type(exc).__name__}: {exc}"
-    from fakes.conformance.catalogue import _plain
+    return judge({"name": name, "observed": plain(observed)}, profile)
 
-    observed = _plain(observed)
-    outcome = "pass" if observed == result["expected"] else "fail"
-    return {**result, "observed": observed, "outcome": outcome}
+
+def judge(result: dict[str, Any], profile: str) -> dict[str, Any]:
+    if result.get("outcome") == "skip":
+        return {**result, "expected": CASES[result["name"]].expected(profile)}
+    expected = CASES[result["name"]].expected(profile)
+    return {**result, "expected": expected, "outcome": "pass" if result["observed"] == expected else "fail"}
 
 
 def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str = "DRAM",
                   names: list[str] | None = None, progress=None) -> dict[str, Any]:
-    profile = profile or ("cuda" if memory == "VRAM" else "dram")
+    """Every case (or ``names``).  Without ``profile``, cases are judged against the profile they match (or, if
+    none matches, the default for the memory kind: dram for host memory, cuda for VRAM)."""
+    chosen = profile or ("cuda" if memory == "VRAM" else "dram")
     results = []
     for name in names or list(CASES):
-        results.append(run_case(name, backend, profile, memory))
+        results.append(run_case(name, backend, chosen, memory))
         if progress:
             progress(results[-1])
     observed = {r["name"]: r["observed"] for r in results if r["outcome"] != "skip"}
-    return {"backend": backend, "profile": profile, "memory": memory, "cases": results,
-            "matched_profile": matched_profile(observed)}
+    matched = matched_profile(observed)
+    if profile is None and matched is not None and matched != chosen:
+        chosen = matched
+        results = [judge(r, chosen) for r in results]
+    return {"backend": backend, "profile": chosen, "memory": memory, "cases": results, "matched_profile": matched}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     memory = args.memory.upper()
     if args.raw:
-        from fakes.conformance import observe
-
         name = args.case[0]
         value = observe(lambda: observe_case(name, args.backend, args.profile or "dram", memory))
         print(json.dumps({"observed": value}), flush=True)

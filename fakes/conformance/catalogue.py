@@ -35,19 +35,19 @@ def case(expect: Any, *, transport: str = "cma", isolate: bool = False, needs: t
         unknown = set(overrides) - set(PROFILES)
         if unknown:
             raise LookupError(f"case {fn.__name__}: unknown profiles {sorted(unknown)}")
-        CASES[fn.__name__] = Case(fn.__name__, fn, _plain(expect), {k: _plain(v) for k, v in overrides.items()},
+        CASES[fn.__name__] = Case(fn.__name__, fn, plain(expect), {k: plain(v) for k, v in overrides.items()},
                                   transport, isolate or transport == "tcp", needs, (fn.__doc__ or "").strip())
         return fn
 
     return wrap
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Observations travel as JSON between processes: tuples become lists, so compare them in that form."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     return value
 
 
@@ -56,7 +56,7 @@ def observe(fn: Callable[[], Any]) -> Any:
     from fakes.nixl._status import SimulatedCrash
 
     try:
-        return _plain(fn())
+        return plain(fn())
     except SimulatedCrash as crash:
         return crash.signal
     except Exception as exc:  # noqa: BLE001 - the class name *is* the observation

@@ -1,0 +1,24 @@
+"""One tree of errors.  User mistakes also subclass the builtin a caller would expect (ValueError, LookupError),
+and every message says how to fix the problem; the CLI prints it as one line and exits 2."""
+
+from __future__ import annotations
+
+
+class EpsimError(Exception):
+    """Base of every error epsim raises on purpose."""
+
+
+class ScenarioError(EpsimError, ValueError):
+    """A scenario file or option is invalid."""
+
+
+class UnknownStrategy(EpsimError, LookupError):
+    """A communicator strategy name or ``module:factory`` path that cannot be found."""
+
+
+class UnknownName(EpsimError, LookupError):
+    """A profile, backend, case or other named thing that does not exist."""
+
+
+class BackendUnavailable(EpsimError, RuntimeError):
+    """An optional backend (real NIXL, a GPU, DeepEP) is not installed or not usable here."""

@@ -1,0 +1,56 @@
+"""Every behaviour of the catalogue (fakes/conformance/nixl_cases.py), for the fake and for the real NIXL.
+
+The ``dram`` expectations are what real NIXL 1.5.1 does on host memory: the real parameter checks that they are
+still true, the fake parameter that the fake reproduces them.  Stricter profiles are checked on the fake only, case
+by case, including every case where a profile deliberately differs from real DRAM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes.conformance import CASES, matched_profile
+from fakes.nixl.profiles import PROFILES
+from real_backends.probe import run_case
+
+STRICT = [p for p in PROFILES if p != "dram"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_behaviour(name: str, nixl_impl: str) -> None:
+    result = run_case(name, nixl_impl, "dram")
+    assert result["outcome"] == "pass", (
+        f"{nixl_impl} NIXL, case {name}: observed {result['observed']!r}, dram expects {result['expected']!r}\n"
+        f"{CASES[name].doc}")
+
+
+@pytest.mark.parametrize("profile", STRICT)
+@pytest.mark.parametrize("name", list(CASES))
+def test_fake_profile(name: str, profile: str) -> None:
+    result = run_case(name, "fake", profile)
+    assert result["outcome"] == "pass", (
+        f"fake NIXL in profile {profile}, case {name}: observed {result['observed']!r}, "
+        f"expected {result['expected']!r}")
+
+
+@pytest.mark.parametrize("profile", STRICT)
+def test_every_strict_profile_says_where_it_differs(profile: str) -> None:
+    differing = [n for n, c in CASES.items() if c.expected(profile) != c.expected("dram")]
+    assert differing, f"profile {profile} differs from dram in no case: it cannot be told apart"
+    assert PROFILES[profile].differs_from_dram, f"profile {profile} does not document what it changes"
+    assert PROFILES[profile].evidence
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_fake_is_recognised_as_its_profile(profile: str) -> None:
+    """Judged against every profile, the fake's observations in one profile match exactly that profile."""
+    observed = {n: run_case(n, "fake", profile)["observed"] for n in CASES}
+    assert matched_profile(observed) == profile
+
+
+def test_catalogue_is_large_enough() -> None:
+    assert len(CASES) >= 40
+    families = {"register", "deregister", "metadata", "read", "write", "notif", "release", "remove", "destroyed",
+                "two_process", "kill"}
+    names = " ".join(CASES)
+    assert all(f in names for f in families), sorted(f for f in families if f not in names)

@@ -1,0 +1,49 @@
+"""Shared fixtures: which NIXL a test runs against, and marker-driven skips that always say why."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# CI sets this: there, the real NIXL is installed on purpose, so failing to import it is an error, not a skip.
+REQUIRE_REAL_NIXL = os.environ.get("EPSIM_REQUIRE_REAL_NIXL") == "1"
+
+
+def real_nixl_or_skip():
+    """(api, bindings, package) of the real NIXL, or skip (fail under EPSIM_REQUIRE_REAL_NIXL=1) with the reason."""
+    from real_backends.nixl_real import NixlUnavailable, import_real_nixl
+
+    try:
+        return import_real_nixl()
+    except NixlUnavailable as exc:
+        if REQUIRE_REAL_NIXL:
+            pytest.fail(f"EPSIM_REQUIRE_REAL_NIXL=1 but {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(params=["fake", "real"])
+def nixl_impl(request) -> str:
+    """``fake`` or ``real``: the NIXL implementation a conformance test runs against."""
+    if request.param == "real":
+        real_nixl_or_skip()
+    return request.param
+
+
+def _cuda_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible (gpu tests run in the gated GPU job, see docs/gpu-validation.md)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    reason = None
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = reason or _cuda_reason() or ""
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,55 @@
+"""The epsim command: version, one-line errors with exit status 2, and ``conform`` on the fake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def epsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version() -> None:
+    from sim import __version__
+
+    done = epsim("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"epsim {__version__}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("conform", "--backend", "nope"), "backend 'nope' not known; use one of: fake, real"),
+    (("conform", "--profile", "strict"), "profile 'strict' not known; known: dram, cuda, rdma, rocm-strict"),
+    (("conform", "--memory", "hbm"), "memory 'hbm' not known; use one of: dram, vram"),
+    (("conform", "--bogus"), "No such option: --bogus"),
+    (("no-such-command",), "No such command"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message) -> None:
+    done = epsim(*args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("epsim: error: ") and message in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_conform_fake_json_names_dram() -> None:
+    done = epsim("conform", "--backend", "fake", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["matched_profile"] == "dram"
+    assert len(report["cases"]) >= 40
+    assert {c["outcome"] for c in report["cases"]} == {"pass"}
+    assert {"name", "outcome"} <= set(report["cases"][0])
+
+
+def test_conform_fake_strict_profile_text() -> None:
+    done = epsim("conform", "--backend", "fake", "--profile", "rdma")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1].endswith("matched profile: rdma")
+    assert all(line.startswith("pass") for line in lines[:-1])
