@@ -112,10 +112,3 @@ class _ChildPeer(Peer):
             self._proc.join(10)
             if self._proc.is_alive():
                 self.kill()
-
-
-def environment_for(transport: str) -> dict[str, str]:
-    env = dict(os.environ)
-    if transport == "tcp":
-        env["UCX_TLS"] = "tcp"
-    return env

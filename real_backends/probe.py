@@ -22,6 +22,10 @@ from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
 from fakes.nixl.profiles import PROFILES
 
 CASE_TIMEOUT_S = 180
+# UCX transports for the asynchronous ("tcp") cases.  cuda_copy stays in the list: a CUDA-enabled UCX needs it to
+# classify memory at registration, and without it registering even host memory fails with nixlBackendError
+# (seen on an H200 host); on a CPU-only host UCX ignores it.
+TCP_TLS = os.environ.get("EPSIM_UCX_TCP_TLS", "tcp,cuda_copy")
 
 
 def make_backend(backend: str, profile: str = "dram", memory: str = "DRAM", transport: str = "cma"):
@@ -50,7 +54,7 @@ def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any
     case = CASES[name]
     env = dict(os.environ)
     if case.transport == "tcp":
-        env["UCX_TLS"] = "tcp"
+        env["UCX_TLS"] = TCP_TLS
     cmd = [sys.executable, "-m", "real_backends.probe", "--case", name, "--backend", backend, "--profile", profile,
            "--memory", memory.lower(), "--raw"]
     try:
@@ -100,7 +104,7 @@ def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str
         if progress:
             progress(results[-1])
     observed = {r["name"]: r["observed"] for r in results if r["outcome"] != "skip"}
-    matched = matched_profile(observed)
+    matched = matched_profile(observed, hardware=backend == "real")
     if profile is None and matched is not None and matched != chosen:
         chosen = matched
         results = [judge(r, chosen) for r in results]

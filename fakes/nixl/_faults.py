@@ -22,7 +22,18 @@ SITES: dict[str, str] = {
     "xfer.late": "the transfer completes `delay` later than it would (ticks outside the simulator, seconds inside)",
     "notif.drop": "a notification (standalone or carried by a transfer) never arrives",
     "notif.delay": "a notification arrives `delay` later",
-    "peer.disconnect": "the endpoint to `peer` fails at the initiator's Nth post to it (param after_posts, default 0)",
+    "peer.disconnect": "the first `after_posts` posts (default 0) to `peer` succeed; the next one fails the endpoint",
+}
+
+# The parameters each site reads; anything else is a typo and refused.
+PARAMS: dict[str, frozenset[str]] = {
+    "register.fail": frozenset({"error"}),
+    "xfer.stuck": frozenset(),
+    "xfer.fail_after": frozenset({"polls", "error"}),
+    "xfer.late": frozenset({"delay"}),
+    "notif.drop": frozenset(),
+    "notif.delay": frozenset({"delay"}),
+    "peer.disconnect": frozenset({"after_posts"}),
 }
 
 STATUS_BY_NAME = {
@@ -62,6 +73,10 @@ class FaultBoard:
             **params: Any) -> ArmedFault:
         if site not in SITES:
             raise LookupError(f"fault site {site!r} not found; known: {', '.join(SITES)}")
+        unknown = sorted(set(params) - PARAMS[site])
+        if unknown:
+            allowed = ", ".join(sorted(PARAMS[site])) or "none"
+            raise ValueError(f"fault site {site!r} takes no parameter {unknown[0]!r}; it takes: {allowed}")
         error = params.get("error")
         if error is not None and error not in STATUS_BY_NAME:
             raise ValueError(f"fault error {error!r} is not a NIXL status; use one of {', '.join(STATUS_BY_NAME)}")

@@ -40,7 +40,9 @@ class Region:
 
 
 def encode_md(name: str, conn: str | None, regions: list[Region]) -> bytes:
-    body = {"name": name, "conn": conn, "sections": [r.section() for r in regions]}
+    # Sections are kept sorted, as NIXL's section descriptor lists are: metadata does not depend on the order in
+    # which ranges were registered (re-registering one of several ranges gives byte-identical metadata).
+    body = {"name": name, "conn": conn, "sections": sorted(r.section() for r in regions)}
     return MD_TAG + json.dumps(body, separators=(",", ":")).encode()
 
 

@@ -240,7 +240,8 @@ class XferMixin:
             req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (row 19)
         faults = self.fabric.faults
         peer = self.peers.get(req.peer)
-        if peer is not None and faults.take("peer.disconnect", self.name, req.peer, nth="after_posts"):
+        if peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
+                                                                  nth="after_posts"):
             self._fail_endpoint(peer, "injected fault peer.disconnect")
         problem = self._access_error(req)
         if problem is not None:
@@ -252,8 +253,8 @@ class XferMixin:
         req.fail_after = faults.take("xfer.fail_after", self.name, req.peer)
         wired = self.wired_to_self if req.peer == self.name else (peer is not None and peer.wired)
         delay = self.fabric.xfer_duration(req.nbytes, req.op, wired)
-        if faults.take("xfer.stuck", self.name, req.peer) is not None:
-            delay = float("inf")
+        if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer) is not None:
+            delay = float("inf")  # a failing transfer never completes: it raises at its Nth check
         else:
             late = faults.take("xfer.late", self.name, req.peer)
             if late is not None:

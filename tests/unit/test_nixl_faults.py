@@ -32,8 +32,10 @@ class World:
         self.b.register_memory(self.u)
         self.b.add_remote_agent(self.a.get_agent_metadata())
         self.a.add_remote_agent(self.b.get_agent_metadata())
-        for other in self.others.values():
-            other.register_memory(torch.zeros(n, dtype=torch.uint8))
+        # Keep every registered buffer alive as long as the world: the fake copies with memmove, like cma does.
+        self.bufs = {name: torch.zeros(n, dtype=torch.uint8) for name in extra}
+        for name, other in self.others.items():
+            other.register_memory(self.bufs[name])
             other.add_remote_agent(self.b.get_agent_metadata())
             self.b.add_remote_agent(other.get_agent_metadata())
 
@@ -187,8 +189,6 @@ def test_xfer_stuck_filter_by_peer_leaves_other_peers_alone():
                                         ("BACKEND", _bindings.nixlBackendError)])
 def test_xfer_fail_after_raises_at_exactly_the_nth_check_and_keeps_raising(polls, error, exc):
     w = world()
-    # Keep the transfer in flight long enough for the Nth check to come before its completion.
-    w.fabric.faults.arm("xfer.late", delay=1000)
     params = {"polls": polls} if error is None else {"polls": polls, "error": error}
     fault = w.fabric.faults.arm("xfer.fail_after", **params)
     h = w.read()
@@ -222,7 +222,6 @@ def test_xfer_fail_after_preempts_completion_on_tcp():
 
 def test_xfer_fail_after_times_one_only_hits_the_first_post():
     w = world()
-    w.fabric.faults.arm("xfer.late", delay=1000, times=1)
     fault = w.fabric.faults.arm("xfer.fail_after", polls=2, times=1)
     h1 = w.read()
     w.b.transfer(h1)
@@ -365,9 +364,7 @@ def test_peer_disconnect_after_n_posts(after_posts):
 def test_peer_disconnect_counts_only_posts_to_its_peer():
     w = world(extra=("C",))
     fault = w.fabric.faults.arm("peer.disconnect", peer="A", after_posts=1)
-    c_reg = w.others["C"].agent.regions[0]
-    to_c = w.b.initialize_xfer("WRITE", w.b.get_xfer_descs(w.u),
-                               w.b.get_xfer_descs([(c_reg.addr, c_reg.length, 0)], "DRAM"), "C")
+    to_c = w.b.initialize_xfer("WRITE", w.b.get_xfer_descs(w.u), w.b.get_xfer_descs(w.bufs["C"]), "C")
     for _ in range(4):
         assert w.b.transfer(to_c) == "DONE"
     assert fault.seen == 0
@@ -388,8 +385,9 @@ def test_fired_records_site_agent_peer_and_time():
     w.a.get_new_notifs()
     w.a.get_new_notifs()
     h = w.write()
-    w.b.transfer(h)
+    first = w.b.transfer(h)
     t_xfer = w.fabric.now()
+    assert checks_until_done(w.b, h, first) == 2  # finish it: nothing left in flight towards freed buffers
     assert w.fabric.faults.fired == [("notif.drop", "B", "A", t_notif), ("xfer.late", "B", "A", t_xfer)]
     assert t_xfer > t_notif
 
@@ -470,3 +468,42 @@ def test_simulated_clock_faults_use_seconds():
     assert w.b.check_xfer_state(h) == "DONE"
     assert w.moved()
     assert f.faults.fired == [("xfer.late", "B", "A", 0.0)]
+
+
+# -- regressions found while writing these tests ----------------------------------------------------------------
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_fail_after_acts_on_cma_transfers_that_would_complete_at_once(op):
+    """cma completes a WRITE (and a READ on a wired endpoint) at post; an armed fail_after must still fail it at
+    its Nth check instead of being recorded as fired and doing nothing."""
+    w = world()
+    fault = w.fabric.faults.arm("xfer.fail_after", polls=3, error="REMOTE_DISCONNECT")
+    h = w.read() if op == "READ" else w.write()
+    assert w.b.transfer(h) == "PROC"
+    assert [w.b.check_xfer_state(h) for _ in range(2)] == ["PROC", "PROC"]
+    for _ in range(2):
+        with pytest.raises(_bindings.nixlRemoteDisconnectError):
+            w.b.check_xfer_state(h)
+    assert fault.fired == 1
+    assert bool((w.u == 0).all()) and bool((w.t == PATTERN).all())  # no bytes moved either way
+
+
+def test_arm_refuses_parameters_the_site_does_not_read():
+    f = FakeFabric()
+    with pytest.raises(ValueError, match=r"takes no parameter 'poll'; it takes: error, polls"):
+        f.faults.arm("xfer.fail_after", poll=3)
+    with pytest.raises(ValueError, match=r"'xfer.stuck' takes no parameter 'delay'; it takes: none"):
+        f.faults.arm("xfer.stuck", delay=1)
+    assert f.faults.armed == []
+
+
+def test_peer_disconnect_fires_once_per_endpoint():
+    w = world()
+    fault = w.fabric.faults.arm("peer.disconnect", peer="A", after_posts=1)
+    h = w.read()
+    assert w.b.transfer(h) in ("PROC", "DONE")
+    checks_until_done(w.b, h, "PROC")
+    for _ in range(3):
+        with pytest.raises(_bindings.nixlRemoteDisconnectError):
+            w.b.transfer(h)
+    assert fault.fired == 1
+    assert [site for site, *_ in w.fabric.faults.fired] == ["peer.disconnect"]
