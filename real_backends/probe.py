@@ -74,7 +74,7 @@ def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: st
     """One case, judged against ``profile``: a dict with name, outcome (pass/fail/skip), observed, expected."""
     case = CASES[name]
     if memory == "VRAM" and "host-memory" in case.needs:
-        return {"name": name, "outcome": "skip", "observed": None, "expected": case.expected(profile),
+        return {"name": name, "outcome": "skip", "observed": None, "expected": case.on_hardware(profile),
                 "reason": "needs host memory (munmap); not run with --memory vram"}
     try:
         if backend == "real" and case.isolate:
@@ -83,13 +83,15 @@ def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: st
             observed = observe(lambda: observe_case(name, backend, profile, memory))
     except Exception as exc:  # noqa: BLE001 - a broken case is a failed case, with its reason
         observed = f"error: {type(exc).__name__}: {exc}"
-    return judge({"name": name, "observed": plain(observed)}, profile)
+    return judge({"name": name, "observed": plain(observed)}, profile, hardware=backend == "real")
 
 
-def judge(result: dict[str, Any], profile: str) -> dict[str, Any]:
+def judge(result: dict[str, Any], profile: str, hardware: bool) -> dict[str, Any]:
+    """Compare with what ``profile`` says of its hardware (a real backend) or of the fake (hardening included)."""
+    case = CASES[result["name"]]
+    expected = case.on_hardware(profile) if hardware else case.expected(profile)
     if result.get("outcome") == "skip":
-        return {**result, "expected": CASES[result["name"]].expected(profile)}
-    expected = CASES[result["name"]].expected(profile)
+        return {**result, "expected": expected}
     return {**result, "expected": expected, "outcome": "pass" if result["observed"] == expected else "fail"}
 
 
@@ -107,7 +109,7 @@ def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str
     matched = matched_profile(observed, hardware=backend == "real")
     if profile is None and matched is not None and matched != chosen:
         chosen = matched
-        results = [judge(r, chosen) for r in results]
+        results = [judge(r, chosen, hardware=backend == "real") for r in results]
     return {"backend": backend, "profile": chosen, "memory": memory, "cases": results, "matched_profile": matched}
 
 

@@ -65,7 +65,8 @@ def conform(
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:
-        app(args=argv, standalone_mode=False, prog_name="epsim")
+        # Without standalone mode click returns a command's exit status instead of exiting.
+        status = app(args=argv, standalone_mode=False, prog_name="epsim")
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:
@@ -79,6 +80,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except EpsimError as exc:
         print(f"epsim: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    sys.exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

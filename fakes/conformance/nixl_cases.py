@@ -530,6 +530,28 @@ def remove_remote_agent(b: Backend):
             bb.check_remote_metadata("A"), observe(lambda: bb.remove_remote_agent("nobody"))]
 
 
+@case(["DONE", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError"])
+def failed_post_becomes_the_state(b: Backend):
+    """A repost that fails with RemoteDisconnect replaces the request's earlier DONE: every later check raises
+    it (a client must never read DONE for a transfer that did not happen)."""
+    a, t, bb, u = _pair(b)
+    h, _ = _read(b, bb, u, t)
+    first = _finish(b, bb, h)
+    del a
+    b.collect()
+    return [first, observe(lambda: bb.transfer(h)), observe(lambda: bb.check_xfer_state(h)),
+            observe(lambda: bb.check_xfer_state(h))]
+
+
+@case(["nixlNotFoundError", "nixlNotPostedError"])
+def never_posted_towards_removed_peer(b: Backend):
+    """A request that never got posted (its peer was removed first) reads NOT_POSTED, not NOT_FOUND."""
+    a, t, bb, u = _pair(b)
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
+    bb.remove_remote_agent("A")
+    return [observe(lambda: bb.transfer(h)), observe(lambda: bb.check_xfer_state(h))]
+
+
 @case(["A", "nixlNotFoundError", "DONE"])
 def remove_and_readd(b: Backend):
     """Row 26: after remove + add, new handles work and the old ones stay NOT_FOUND."""

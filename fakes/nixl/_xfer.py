@@ -248,6 +248,9 @@ class XferMixin:
             code, why = problem
             if code == S.REMOTE_DISCONNECT and peer is not None and not peer.failed:
                 self._fail_endpoint(peer, why)
+            # The request was posted and failed: like 1.5.1, its state is now that error, and every later check
+            # raises it (a DONE from an earlier post must not survive a failed repost).
+            req.state, req.error = ERR, code
             S.fail(code, f"postXferReq: {why}")
         req.state, req.polls, req.epoch, req.finished = PROC, 0, req.epoch + 1, False
         req.fail_after = faults.take("xfer.fail_after", self.name, req.peer)
@@ -301,11 +304,11 @@ class XferMixin:
             if self.fabric.profile.released_handle_use == "crash":
                 return S.nixl_status_t.NIXL_SUCCESS  # 1.5.1 reads the freed request: a stale DONE (row 22)
             S.fail(S.INVALID_PARAM, "getXferStatus: transfer handle was released")
+        if req.state == NEW:
+            S.fail(S.NOT_POSTED, "getXferStatus: transfer request was not posted")
         if req.state != DONE and self._stale(req):  # a DONE state is sticky, even towards a removed peer
             S.fail(S.NOT_FOUND, f"getXferStatus: remote agent '{req.peer}' was invalidated or re-registered during "
                                 "transfer")
-        if req.state == NEW:
-            S.fail(S.NOT_POSTED, "getXferStatus: transfer request was not posted")
         if req.state == PROC:
             req.polls += 1
             fault = req.fail_after

@@ -53,3 +53,19 @@ def test_conform_fake_strict_profile_text() -> None:
     lines = done.stdout.strip().splitlines()
     assert lines[-1].endswith("matched profile: rdma")
     assert all(line.startswith("pass") for line in lines[:-1])
+
+
+@pytest.mark.parametrize("outcomes, matched, status", [
+    (["pass", "pass"], "dram", 0), (["pass", "fail"], "dram", 1), (["pass", "pass"], None, 1),
+    (["pass", "skip"], "cuda", 0)])
+def test_conform_exit_status(monkeypatch, capsys, outcomes, matched, status) -> None:
+    """0 only when every case holds and a profile matched; the status survives the one-line error wrapper."""
+    from sim import cli, conform
+
+    report = {"backend": "real", "memory": "DRAM", "profile": "dram", "matched_profile": matched,
+              "cases": [{"name": f"c{i}", "outcome": o, "observed": 1, "expected": 1} for i, o in enumerate(outcomes)]}
+    monkeypatch.setattr(conform, "run", lambda backend, profile, memory: report)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["conform", "--backend", "real"])
+    assert done.value.code == status
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"matched profile: {matched or 'none'}")
