@@ -73,9 +73,10 @@ def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any
 def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: str = "DRAM") -> dict[str, Any]:
     """One case, judged against ``profile``: a dict with name, outcome (pass/fail/skip), observed, expected."""
     case = CASES[name]
-    if memory == "VRAM" and "host-memory" in case.needs:
+    reason = skip_reason(case, backend, memory)
+    if reason:
         return {"name": name, "outcome": "skip", "observed": None, "expected": case.on_hardware(profile),
-                "reason": "needs host memory (munmap); not run with --memory vram"}
+                "reason": reason}
     try:
         if backend == "real" and case.isolate:
             observed = _observe_isolated(name, backend, profile, memory)
@@ -84,6 +85,17 @@ def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: st
     except Exception as exc:  # noqa: BLE001 - a broken case is a failed case, with its reason
         observed = f"error: {type(exc).__name__}: {exc}"
     return judge({"name": name, "observed": plain(observed)}, profile, hardware=backend == "real")
+
+
+def skip_reason(case, backend: str, memory: str) -> str | None:
+    if memory == "VRAM" and "host-memory" in case.needs:
+        return "needs host memory; not run with --memory vram"
+    if backend == "real" and "no-cuda-context" in case.needs:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return ("a CUDA context is live in this process: UCX classifies memory through CUDA and refuses "
+                    "degenerate ranges (seen on H200); run it through `epsim conform`, which starts fresh")
+    return None
 
 
 def judge(result: dict[str, Any], profile: str, hardware: bool) -> dict[str, Any]:

@@ -18,7 +18,9 @@ class Case:
     by_profile: dict[str, Any] = field(default_factory=dict)  # profiles that deliberately differ
     transport: str = "cma"  # "tcp": the real side runs under UCX_TLS=tcp, in a process of its own
     isolate: bool = False  # the real library may kill the process: run it in a child
-    needs: tuple[str, ...] = ()  # "host-memory": skipped, with that reason, when the run uses VRAM
+    # "host-memory": skipped with --memory vram; "no-cuda-context": skipped for real NIXL in a process that has
+    # initialised CUDA.  Each skip carries its reason.
+    needs: tuple[str, ...] = ()
     doc: str = ""
     # What the fake does in every profile but dram where 1.5.1 hides a bug (a crash, a silent stale read): the
     # fake is deliberately stricter there, which is no claim about the hardware the profile models.

@@ -116,10 +116,11 @@ def register_noncontiguous_tensor(b: Backend):
     return observe(lambda: a.register_memory(torch.zeros(8, 8, device=b.device)[:, 1]))
 
 
-@case([None, None], needs=("host-memory",))
+@case([None, None], needs=("host-memory", "no-cuda-context"))
 def register_degenerate_ranges(b: Backend):
-    """Row 6: zero length and a tiny address are accepted on DRAM (no validation).  As VRAM on an H200 both are
-    nixlBackendError (UCX cannot classify the memory); the fake does not model VRAM address classification."""
+    """Row 6: zero length and a tiny address are accepted on DRAM (no validation).  Where UCX classifies memory
+    through CUDA (VRAM on an H200, or host memory once the process has a CUDA context) it refuses them with
+    nixlBackendError; the fake does not model that classification."""
     a, t = b.agent("A"), b.buf(N)
     return [observe(lambda: a.register_memory([(t.data_ptr(), 0, b.dev(t), "")], b.memory) and None),
             observe(lambda: a.register_memory([(0x10, 16, b.dev(t), "")], b.memory) and None)]
