@@ -1,0 +1,51 @@
+"""The pytest plugin: the fake_nixl fixture, its profile marker, and a light import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_fake_nixl_fixture_installs_the_shims(fake_nixl) -> None:
+    import nixl._api
+    import nixl_cu13._api
+
+    from fakes.install import is_fake
+
+    assert is_fake(nixl._api) and is_fake(nixl_cu13._api)
+    agent = nixl._api.nixl_agent("client")
+    assert agent.agent.fabric is fake_nixl
+    assert fake_nixl.profile.name == "dram"
+
+
+@pytest.mark.nixl_profile("rocm-strict")
+def test_fake_nixl_profile_marker(fake_nixl) -> None:
+    import ctypes
+
+    from nixl._api import nixl_agent
+    from nixl._bindings import nixlBackendError
+
+    buf = (ctypes.c_uint8 * 64)()
+    a, b = nixl_agent("a"), nixl_agent("b")
+    a.register_memory([(ctypes.addressof(buf), 64, 0, "")], "DRAM")
+    with pytest.raises(nixlBackendError):
+        b.register_memory([(ctypes.addressof(buf), 64, 0, "")], "DRAM")
+    assert fake_nixl.profile.name == "rocm-strict"
+
+
+def test_shims_are_gone_after_the_fixture() -> None:
+    mod = sys.modules.get("nixl._api")
+    from fakes.install import is_fake
+
+    assert mod is None or not is_fake(mod)
+
+
+def test_plugin_and_cli_front_door_import_nothing_heavy() -> None:
+    code = ("import sys, sim, sim.pytest_plugin, sim.cli\n"
+            "heavy = sorted(m for m in ('torch', 'nixl', 'nixl_cu12', 'simpy', 'greenlet') if m in sys.modules)\n"
+            "print(','.join(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
