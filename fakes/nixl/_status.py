@@ -155,11 +155,9 @@ def fail(code: int, log_line: str | None = None):
     raise error(code, log_line)
 
 
-def status_name(exc: BaseException) -> str:
-    for name, cls in _BY_CODE.values():
-        if type(exc) is cls:
-            return name
-    return type(exc).__name__
+def name_of(code: int) -> str:
+    return _BY_CODE[code][0]
+
 
 NIXL_INIT_AGENT = ""
 DEFAULT_COMM_PORT = 8888

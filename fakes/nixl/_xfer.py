@@ -320,7 +320,7 @@ class XferMixin:
             elif req.peer != self.name and self._target(self.peers[req.peer]) is None:
                 req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (row 26)
         if req.state == ERR:
-            S.fail(req.error, f"getXferStatus: transfer failed with {S._BY_CODE[req.error][0]}")
+            S.fail(req.error, f"getXferStatus: transfer failed with {S.name_of(req.error)}")
         return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
 
     def releaseXferReq(self, handle: int) -> None:
