@@ -62,8 +62,9 @@ class RealBackend(Backend):
 
 def _peer_main(package: str, name: str, nbytes: int, conn) -> None:
     api = importlib.import_module(f"{package}._api")
-    buf = (ctypes.c_uint8 * nbytes)(*([PATTERN] * nbytes))
+    buf = (ctypes.c_uint8 * nbytes)()
     addr = ctypes.addressof(buf)
+    ctypes.memset(addr, PATTERN, nbytes)
     agent = api.nixl_agent(name)
     agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), addr))

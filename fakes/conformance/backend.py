@@ -187,8 +187,9 @@ class _FakePeer(Peer):
         fabric = backend.fabric
         self.pid = fabric.spawn_process(name)
         with fabric.process(self.pid):
-            self._buf = (ctypes.c_uint8 * nbytes)(*([PATTERN] * nbytes))
+            self._buf = (ctypes.c_uint8 * nbytes)()
             self.addr = ctypes.addressof(self._buf)
+            ctypes.memset(self.addr, PATTERN, nbytes)
             self._agent = backend.api.nixl_agent(name)
             self._agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
             self.md = self._agent.get_agent_metadata()

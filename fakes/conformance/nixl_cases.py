@@ -609,7 +609,7 @@ def handle_keeps_agent_alive(b: Backend):
 def target_destroyed_in_flight(b: Backend):
     """Row 26 (tcp): a READ still in flight (the first one on a new connection) when its target is destroyed
     raises RemoteDisconnect at the next check, and keeps raising it."""
-    a, t, bb, u = _pair(b, 64 << 20)
+    a, t, bb, u = _pair(b, 512 << 20)  # long enough over tcp to outlast the destructor (~0.1 s)
     h, first = _read(b, bb, u, t)
     del a
     b.collect()
@@ -640,7 +640,7 @@ def two_process_read(b: Backend):
 def kill_target_mid_read(b: Backend):
     """Row 30 (tcp): SIGKILL the target during a READ: the next check raises RemoteDisconnect, later posts too, the
     peer stays known; a restarted target under the same name is NOT_ALLOWED until removed, then works."""
-    p = b.peer("A", 8 << 20)
+    p = b.peer("A", 256 << 20)  # large enough that the READ is still in flight when the kill lands
     bb, u = b.agent("B"), b.buf(p.nbytes, 0)
     b.reg(bb, u)
     bb.add_remote_agent(p.md)
@@ -649,7 +649,7 @@ def kill_target_mid_read(b: Backend):
     p.kill()
     seen = observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE", tries=50))
     out = [state == "PROC", seen, observe(lambda: bb.transfer(h)), bb.check_remote_metadata("A")]
-    p2 = b.peer("A", 8 << 20)
+    p2 = b.peer("A", 256 << 20)
     try:
         out.append(observe(lambda: bb.add_remote_agent(p2.md)))
         bb.remove_remote_agent("A")
