@@ -1,0 +1,263 @@
+"""The simulation kernel: a SimPy environment in which every simulated thread is a greenlet.
+
+Code under test is ordinary synchronous Python.  When it blocks (a collective, a transfer poll, ``time.sleep``) it
+calls :meth:`Kernel.wait` with a SimPy event; that switches to the kernel's greenlet (the *hub*, which runs the SimPy
+loop) and comes back with the event's value, or its exception, once the event fires in simulated time.  Nothing
+here reads the wall clock, and events scheduled for the same instant run in an order drawn from a seeded stream, so
+one seed gives one history, and different seeds explore different interleavings.
+
+Only three verbs matter: :meth:`spawn` a thread, :meth:`wait` in it, :meth:`run` the world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import sys
+import time
+import uuid
+from heapq import heappush
+from typing import Any, Callable, Iterator
+
+import simpy
+from greenlet import GreenletExit, greenlet
+
+from .rng import Streams, Tape
+from .trace import History
+
+
+class _Env(simpy.Environment):
+    """SimPy with seeded tie-breaks: same-time, same-priority events run in an order drawn from a stream."""
+
+    def __init__(self, tiebreak: Callable[[], float] | None) -> None:
+        super().__init__()
+        self._tiebreak = tiebreak
+        self._seq = itertools.count()
+
+    def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
+        key = (self._tiebreak() if self._tiebreak else 0.0, next(self._seq))
+        heappush(self._queue, (self._now + delay, priority, key, event))
+
+
+class SimThread:
+    """One simulated thread of one simulated process (rank)."""
+
+    def __init__(self, kernel: "Kernel", name: str, pid: int, fn: Callable, args: tuple, kwargs: dict,
+                 daemon: bool) -> None:
+        self.kernel, self.name, self.pid, self.daemon = kernel, name, pid, daemon
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self.glet: greenlet | None = None
+        self.state = "new"  # new, running, blocked, done, failed, killed
+        self.blocked_on = ""
+        self.result: Any = None
+        self.exception: BaseException | None = None
+        self.done = kernel.env.event()
+
+    def __repr__(self) -> str:
+        where = f" on {self.blocked_on}" if self.state == "blocked" and self.blocked_on else ""
+        return f"<SimThread {self.name!r} pid={self.pid} {self.state}{where}>"
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("new", "running", "blocked")
+
+
+class BlockingOutsideThread(RuntimeError):
+    pass
+
+
+class Kernel:
+    """A world of simulated threads on a simulated clock."""
+
+    def __init__(self, seed: int = 0, *, tape: Tape | None = None, tiebreak: bool = True,
+                 stop_on_crash: bool = True) -> None:
+        self.seed = seed
+        self.streams = Streams(seed, tape)
+        sched = self.streams.get("schedule", record=False)
+        self.env = _Env(sched.random if tiebreak else None)
+        self.history = History(self.now)
+        self.threads: list[SimThread] = []
+        self.crashes: list[tuple[SimThread, BaseException]] = []
+        self.unraisable: list[tuple[str, BaseException]] = []
+        self.stop_on_crash = stop_on_crash
+        self._current: SimThread | None = None
+        self._hub: greenlet | None = None
+        self._halt = self.env.event()
+        self._zombies: list[SimThread] = []  # killed threads: kept referenced so their frames never unwind
+
+    # -- clock ----------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.env.now
+
+    # -- threads ----------------------------------------------------------------------------------------------
+    def spawn(self, name: str, fn: Callable, *args: Any, pid: int = 0, daemon: bool = False,
+              **kwargs: Any) -> SimThread:
+        th = SimThread(self, name, pid, fn, args, kwargs, daemon)
+        self.threads.append(th)
+        self.env.process(self._drive(th))
+        self.history.record("thread.start", thread=name, pid=pid)
+        return th
+
+    def current(self) -> SimThread | None:
+        return self._current
+
+    def _drive(self, th: SimThread):
+        """The SimPy process behind a thread: resume its greenlet, wait for what it blocks on, repeat."""
+        if th.state == "killed":
+            return
+        th.glet = greenlet(run=lambda: th._fn(*th._args, **th._kwargs), parent=greenlet.getcurrent())
+        value: Any = None
+        error: BaseException | None = None
+        started = False
+        while True:
+            if th.state == "killed":
+                return
+            self._current, th.state = th, "running"
+            try:
+                if not started:
+                    started = True
+                    request = th.glet.switch()  # the first switch starts the function (with no argument)
+                elif error is not None:
+                    request = th.glet.throw(error)
+                else:
+                    request = th.glet.switch(value)
+            except BaseException as exc:  # noqa: BLE001 - the thread died with it: that is a finding
+                self._current = None
+                self._thread_failed(th, exc)
+                return
+            self._current = None
+            if th.glet.dead:
+                th.state, th.result = "done", request
+                th.done.succeed(request)
+                self.history.record("thread.end", thread=th.name, pid=th.pid)
+                return
+            th.state = "blocked"
+            try:
+                value, error = (yield request), None
+            except BaseException as exc:  # noqa: BLE001 - delivered into the thread
+                value, error = None, exc
+            if th.state == "killed":
+                return
+
+    def _thread_failed(self, th: SimThread, exc: BaseException) -> None:
+        th.state, th.exception = "failed", exc
+        th.done.succeed(None)
+        self.crashes.append((th, exc))
+        self.history.record("thread.crash", thread=th.name, pid=th.pid, error=f"{type(exc).__name__}: {exc}")
+        if self.stop_on_crash:
+            self.halt()
+
+    def wait(self, event: simpy.events.Event, what: str = "") -> Any:
+        """Block the calling simulated thread until ``event`` fires; its value, or its exception raised here."""
+        th = self._current
+        if th is None or self._hub is None:
+            raise BlockingOutsideThread(f"blocking call ({what or 'wait'}) outside a simulated thread")
+        th.blocked_on = what
+        try:
+            return self._hub.switch(event)
+        finally:
+            th.blocked_on = ""
+
+    def sleep(self, seconds: float, what: str = "sleep") -> None:
+        self.wait(self.env.timeout(max(0.0, seconds)), what)
+
+    def wait_for(self, event: simpy.events.Event, timeout: float, what: str = "") -> tuple[bool, Any]:
+        """(True, value) if ``event`` fired within ``timeout`` simulated seconds, else (False, None)."""
+        if event.triggered:
+            return True, event.value
+        timer = self.env.timeout(timeout)
+        self.wait(self.env.any_of([event, timer]), what)
+        return (True, event.value) if event.triggered else (False, None)
+
+    def kill_process(self, pid: int) -> list[SimThread]:
+        """SIGKILL for simulated process ``pid``: its threads stop where they are and never run another line."""
+        killed = []
+        for th in self.threads:
+            if th.pid == pid and th.alive:
+                th.state = "killed"
+                th.done.succeed(None)
+                self._zombies.append(th)
+                killed.append(th)
+        self.history.record("process.kill", pid=pid, threads=[t.name for t in killed])
+        return killed
+
+    def halt(self) -> None:
+        if not self._halt.triggered:
+            self._halt.succeed()
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def run(self, until: float | None = None) -> None:
+        """Run until ``until`` (simulated seconds), a halt, or nothing is left to happen."""
+        self._hub = greenlet.getcurrent()
+        if until is not None:
+            timer = self.env.timeout(max(0.0, until - self.env.now))
+            timer.callbacks.append(lambda _e: self.halt())
+        with self.deterministic():
+            try:
+                self.env.run(until=self._halt)
+            except RuntimeError as exc:  # the schedule ran dry before a halt: everything finished or is stuck
+                if "No scheduled events left" not in str(exc):
+                    raise
+        self._halt = self.env.event()  # a later run() continues the same world
+
+    def blocked(self) -> list[SimThread]:
+        return [t for t in self.threads if t.state == "blocked"]
+
+    def close(self) -> None:
+        """Drop every thread.  Killed and stuck greenlets unwind here, after the verdict, with tracing closed."""
+        self.history.closed = True
+        for th in self.threads:
+            if th.glet is not None and not th.glet.dead:
+                try:
+                    th.glet.throw(GreenletExit)
+                except BaseException:  # noqa: BLE001 - unwinding a dead world
+                    pass
+        self.threads.clear()
+        self._zombies.clear()
+
+    # -- determinism ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def deterministic(self) -> Iterator[None]:
+        """While the world runs: no automatic garbage collection, simulated time for code in simulated threads,
+        seeded UUIDs, and finalizer exceptions recorded instead of printed."""
+        kernel = self
+        real = {name: getattr(time, name) for name in ("sleep", "monotonic", "time", "perf_counter")}
+        real_uuid4 = uuid.uuid4
+        uuids = self.streams.get("uuid")
+        real_hook = sys.unraisablehook
+        was_enabled = gc.isenabled()
+
+        def sim_sleep(seconds: float) -> None:
+            if kernel._current is not None:
+                kernel.sleep(seconds, "time.sleep")
+            else:
+                real["sleep"](seconds)
+
+        def clock(name: str, base: float) -> Callable[[], float]:
+            def now() -> float:
+                return base + kernel.env.now if kernel._current is not None else real[name]()
+            return now
+
+        def unraisable(info) -> None:
+            where = getattr(info.object, "__qualname__", None) or repr(info.object)
+            kernel.unraisable.append((str(where), info.exc_value))
+            kernel.history.record("finalizer.error", where=str(where),
+                                  error=f"{type(info.exc_value).__name__}: {info.exc_value}")
+
+        gc.disable()
+        time.sleep = sim_sleep
+        time.monotonic = clock("monotonic", 1000.0)
+        time.perf_counter = clock("perf_counter", 1000.0)
+        time.time = clock("time", 1.7e9)
+        uuid.uuid4 = lambda: uuid.UUID(int=uuids.getrandbits(128), version=4)
+        sys.unraisablehook = unraisable
+        try:
+            yield
+        finally:
+            for name, fn in real.items():
+                setattr(time, name, fn)
+            uuid.uuid4 = real_uuid4
+            sys.unraisablehook = real_hook
+            if was_enabled:
+                gc.enable()

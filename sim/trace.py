@@ -1,0 +1,55 @@
+"""The event history of a run: what happened, when, to whom; its hash; and exports (JSON lines, Perfetto).
+
+A record is ``(t, kind, fields)`` with fields made of plain data only (names, numbers, strings), so that the
+canonical JSON of the history, and therefore the trace hash, is the same in every process for the same seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Iterable
+
+
+class History:
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self.records: list[tuple[float, str, dict[str, Any]]] = []
+        self.closed = False
+
+    def record(self, kind: str, **fields: Any) -> None:
+        if not self.closed:
+            self.records.append((self._now(), kind, fields))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def lines(self) -> Iterable[str]:
+        for t, kind, fields in self.records:
+            yield json.dumps({"t": round(t, 9), "kind": kind, **fields}, sort_keys=True, default=str)
+
+    def trace_hash(self) -> str:
+        h = hashlib.sha256()
+        for line in self.lines():
+            h.update(line.encode())
+            h.update(b"\n")
+        return h.hexdigest()[:16]
+
+    def select(self, *kinds: str) -> list[tuple[float, str, dict[str, Any]]]:
+        return [r for r in self.records if r[1] in kinds]
+
+    def write_jsonl(self, path) -> None:
+        with open(path, "w") as out:
+            for line in self.lines():
+                out.write(line + "\n")
+
+    def write_perfetto(self, path) -> None:
+        """Chrome trace-event JSON (opens in ui.perfetto.dev): one track per simulated process, instant events."""
+        events = []
+        for t, kind, fields in self.records:
+            pid = fields.get("pid", fields.get("rank", -1))
+            events.append({"name": kind, "ph": "i", "s": "t", "ts": t * 1e6, "pid": pid if isinstance(pid, int) else -1,
+                           "tid": 0, "args": {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                              for k, v in fields.items()}})
+        with open(path, "w") as out:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)

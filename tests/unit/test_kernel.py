@@ -1,0 +1,183 @@
+"""The kernel: greenlet threads on a SimPy clock, seeded tie-breaks, crashes, kills, simulated time."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from sim.kernel import BlockingOutsideThread, Kernel
+
+
+def test_threads_sleep_in_simulated_time_and_history_is_literal() -> None:
+    k = Kernel(seed=1, tiebreak=False)
+    log = []
+
+    def worker(name: str, delays: list[float]) -> str:
+        for d in delays:
+            k.sleep(d)
+            log.append((k.now(), name))
+        return name
+
+    a = k.spawn("a", worker, "a", [1.0, 2.0], pid=0)
+    b = k.spawn("b", worker, "b", [2.5], pid=1)
+    k.run()
+    assert log == [(1.0, "a"), (2.5, "b"), (3.0, "a")]
+    assert (a.state, a.result, b.result) == ("done", "a", "b")
+    assert [(t, kind) for t, kind, _ in k.history.records] == [
+        (0.0, "thread.start"), (0.0, "thread.start"), (2.5, "thread.end"), (3.0, "thread.end")]
+
+
+def _interleaving(seed: int) -> list[str]:
+    k = Kernel(seed=seed)
+    order = []
+    for name in "abcdef":
+        k.spawn(name, lambda n=name: (k.sleep(1.0), order.append(n)))
+    k.run()
+    return order
+
+
+def test_same_time_events_follow_the_seed() -> None:
+    assert _interleaving(3) == _interleaving(3)
+    orders = {tuple(_interleaving(s)) for s in range(12)}
+    assert len(orders) > 3, "tie-breaks do not depend on the seed"
+
+
+def test_same_seed_same_trace_hash() -> None:
+    def world(seed):
+        k = Kernel(seed=seed)
+        for i in range(4):
+            k.spawn(f"t{i}", lambda i=i: [k.sleep(0.5 * (i % 2)) for _ in range(3)], pid=i)
+        k.run()
+        return k.history.trace_hash()
+
+    assert world(7) == world(7)
+
+
+def test_wait_returns_the_event_value_and_raises_its_failure() -> None:
+    k = Kernel()
+    ev_ok, ev_bad = k.env.event(), k.env.event()
+    got = []
+
+    def waiter():
+        got.append(k.wait(ev_ok, "ok"))
+        with pytest.raises(KeyError):
+            k.wait(ev_bad, "bad")
+        got.append("raised")
+
+    def trigger():
+        k.sleep(1)
+        ev_ok.succeed(42)
+        k.sleep(1)
+        ev_bad.fail(KeyError("x"))
+
+    k.spawn("w", waiter)
+    k.spawn("t", trigger)
+    k.run()
+    assert got == [42, "raised"]
+
+
+def test_wait_for_times_out_in_simulated_time() -> None:
+    k = Kernel()
+    never = k.env.event()
+    out = []
+    k.spawn("w", lambda: out.append((k.wait_for(never, 300.0, "barrier"), k.now())))
+    k.run()
+    assert out == [((False, None), 300.0)]
+
+
+def test_an_exception_escaping_a_thread_is_a_crash_and_halts() -> None:
+    k = Kernel()
+    steps = []
+
+    def bad():
+        k.sleep(1)
+        raise ValueError("boom")
+
+    def long():
+        for _ in range(10):
+            k.sleep(1)
+            steps.append(k.now())
+
+    t = k.spawn("bad", bad, pid=2)
+    k.spawn("long", long)
+    k.run()
+    assert t.state == "failed" and isinstance(t.exception, ValueError)
+    assert [(th.name, str(e)) for th, e in k.crashes] == [("bad", "boom")]
+    assert k.now() == 1.0 and max(steps, default=0) <= 1.0
+    assert k.history.records[-1][1:] == ("thread.crash", {"thread": "bad", "pid": 2, "error": "ValueError: boom"})
+
+
+def test_killed_process_never_runs_again() -> None:
+    k = Kernel()
+    ran = []
+
+    def victim():
+        try:
+            k.sleep(5)
+            ran.append("after")
+        finally:
+            ran.append("finally")
+
+    def killer():
+        k.sleep(1)
+        k.kill_process(3)
+
+    v = k.spawn("victim", victim, pid=3)
+    k.spawn("killer", killer)
+    k.run()
+    assert v.state == "killed" and ran == []
+    k.close()  # unwinding after the verdict is allowed
+    assert ran == ["finally"]
+
+
+def test_stuck_threads_are_reported_blocked() -> None:
+    k = Kernel()
+    never = k.env.event()
+    th = k.spawn("stuck", lambda: k.wait(never, "all_gather_object on group eplb#1"))
+    k.run()
+    assert k.blocked() == [th]
+    assert "all_gather_object" in repr(th)
+
+
+def test_blocking_outside_a_thread_is_refused() -> None:
+    k = Kernel()
+    with pytest.raises(BlockingOutsideThread):
+        k.sleep(1)
+
+
+def test_time_and_uuid_are_simulated_inside_threads_only() -> None:
+    k = Kernel(seed=5)
+    seen = {}
+
+    def body():
+        t0 = time.monotonic()
+        time.sleep(2.5)
+        seen["dt"] = time.monotonic() - t0
+        seen["uuid"] = uuid.uuid4()
+
+    k.spawn("t", body)
+    before = time.monotonic()
+    k.run()
+    assert seen["dt"] == pytest.approx(2.5)
+    assert time.monotonic() - before < 2.0  # no wall-clock sleep
+    k2 = Kernel(seed=5)
+    k2.spawn("t", lambda: seen.setdefault("uuid2", uuid.uuid4()))
+    k2.run()
+    assert seen["uuid"] == seen["uuid2"] and seen["uuid"].version == 4
+    assert uuid.uuid4() != seen["uuid"]  # restored
+
+
+def test_spawn_from_a_thread_and_join_by_waiting() -> None:
+    k = Kernel()
+    out = []
+
+    def parent():
+        child = k.spawn("child", lambda: (k.sleep(2), "result")[1], pid=1)
+        out.append(k.wait(child.done, "join"))
+        out.append(k.now())
+
+    k.spawn("parent", parent, pid=1)
+    k.run()
+    assert out == ["result", 2.0]
