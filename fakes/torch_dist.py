@@ -1,0 +1,219 @@
+"""Fake ``torch.distributed`` process groups that run inside the simulation kernel.
+
+Each simulated rank holds its own :class:`FakeProcessGroup` (as each real process holds its own ProcessGroup); the
+members of one group share a :class:`Rendezvous`.  Collectives match by sequence number: the k-th collective a rank
+issues on a group meets the k-th of every other member.  Objects cross "processes" by pickling, so no simulated rank
+ever aliases another's objects.  A collective that some member never reaches raises :class:`CollectiveTimeout`
+after the group's timeout (vLLM's EPLB barrier waits 5 minutes), naming the missing ranks.
+
+``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
+``group`` argument is a fake group, and to the real functions otherwise, so code written against
+``torch.distributed`` runs unmodified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+ReduceOps = ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective that not every member reached in time (a liveness failure, not a hang)."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class CollectiveMismatch(RuntimeError):
+    """Members issued different collectives at the same position (real backends hang or corrupt data here)."""
+
+
+@dataclass
+class _Op:
+    kind: str
+    seq: int
+    args: dict[int, Any] = field(default_factory=dict)  # group rank -> contribution
+    done: Any = None  # simpy event, value = result per rank
+
+
+class Rendezvous:
+    """What the members of one group generation share."""
+
+    def __init__(self, kernel, name: str, pids: list[int], timeout_s: float = 300.0) -> None:
+        self.kernel, self.name, self.pids, self.timeout_s = kernel, name, list(pids), timeout_s
+        self._ops: dict[int, _Op] = {}
+        self._next_seq = [0] * len(pids)
+        self.destroyed = False
+
+    def groups(self) -> list["FakeProcessGroup"]:
+        return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
+
+    def run(self, rank: int, kind: str, contribution: Any, combine) -> Any:
+        if self.destroyed:
+            raise RuntimeError(f"{kind} on destroyed group {self.name}")
+        seq = self._next_seq[rank]
+        self._next_seq[rank] += 1
+        op = self._ops.get(seq)
+        if op is None:
+            op = self._ops[seq] = _Op(kind, seq, done=self.kernel.env.event())
+        elif op.kind != kind:
+            raise CollectiveMismatch(f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, "
+                                     f"others {op.kind}")
+        op.args[rank] = pickle.loads(pickle.dumps(contribution))
+        self.kernel.history.record("collective.arrive", group=self.name, op=kind, seq=seq,
+                                   pid=self.pids[rank], rank=rank)
+        if len(op.args) == len(self.pids):
+            results = combine([op.args[r] for r in range(len(self.pids))])
+            del self._ops[seq]
+            op.done.succeed(results)
+        ok, results = self.kernel.wait_for(op.done, self.timeout_s, f"{kind} #{seq} on group {self.name}")
+        if not ok:
+            missing = [r for r in range(len(self.pids)) if r not in op.args]
+            self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
+                                       missing=[self.pids[r] for r in missing])
+            raise CollectiveTimeout(
+                f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
+                f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
+        return pickle.loads(pickle.dumps(results[rank]))
+
+
+class FakeProcessGroup:
+    """One rank's handle on a group: ``rank()`` and ``size()`` as on a torch ProcessGroup."""
+
+    def __init__(self, rdv: Rendezvous, rank: int) -> None:
+        self._rdv, self._rank = rdv, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self._rdv.pids)
+
+    @property
+    def group_name(self) -> str:
+        return self._rdv.name
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        return self._rdv
+
+    def __repr__(self) -> str:
+        return f"<FakeProcessGroup {self._rdv.name} rank {self._rank}/{self.size()}>"
+
+
+class _Work:
+    def __init__(self, fn) -> None:
+        self._fn, self._done = fn, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            self._fn()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _group(group) -> FakeProcessGroup:
+    if not isinstance(group, FakeProcessGroup):
+        raise TypeError("fake torch.distributed needs an explicit fake group (group=...)")
+    return group
+
+
+# -- the torch.distributed surface -------------------------------------------------------------------------
+def get_rank(group=None) -> int:
+    return _group(group).rank()
+
+
+def get_world_size(group=None) -> int:
+    return _group(group).size()
+
+
+def all_gather_object(object_list: list, obj: Any, group=None) -> None:
+    g = _group(group)
+    gathered = g.rendezvous.run(g.rank(), "all_gather_object", obj, lambda objs: [objs] * len(objs))
+    object_list[:] = gathered
+
+
+def broadcast_object_list(object_list: list, src: int | None = None, group=None, device=None,
+                          group_src: int | None = None) -> None:
+    g = _group(group)
+    root = group_src if group_src is not None else (src if src is not None else 0)
+    if src is not None and group_src is None:
+        root = g.rendezvous.pids.index(src) if src in g.rendezvous.pids else src
+    result = g.rendezvous.run(g.rank(), "broadcast_object_list", list(object_list),
+                              lambda objs: [objs[root]] * len(objs))
+    object_list[:] = result
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None):
+    g = _group(group)
+    work = _Work(lambda: g.rendezvous.run(g.rank(), "barrier", None, lambda objs: [None] * len(objs)))
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce(tensor, op=None, group=None, async_op: bool = False):
+    g = _group(group)
+    name = getattr(op, "name", None) or (str(op).rsplit(".", 1)[-1] if op is not None else "SUM")
+    name = name.upper()
+    if name not in ReduceOps:
+        raise ValueError(f"all_reduce op {op!r} not supported by the fake; use one of {ReduceOps}")
+
+    def reduce(values):
+        import torch
+
+        stacked = torch.stack(values)
+        out = {"SUM": lambda s: s.sum(0), "MAX": lambda s: s.max(0).values, "MIN": lambda s: s.min(0).values,
+               "PRODUCT": lambda s: s.prod(0), "AVG": lambda s: s.sum(0) / len(values)}[name](stacked)
+        return [out] * len(values)
+
+    def go():
+        result = g.rendezvous.run(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce)
+        tensor.copy_(result.to(tensor.dtype))
+
+    work = _Work(go)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+_FUNCTIONS = ("get_rank", "get_world_size", "all_gather_object", "broadcast_object_list", "barrier", "all_reduce")
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Route ``torch.distributed`` calls whose group is fake to this module; restore afterwards."""
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in _FUNCTIONS}
+
+    def dispatcher(name):
+        real, fake = saved[name], globals()[name]
+
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, FakeProcessGroup)), None)
+            return fake(*args, **kwargs) if isinstance(group, FakeProcessGroup) else real(*args, **kwargs)
+
+        call.__name__ = name
+        call.__wrapped__ = real
+        return call
+
+    for name in _FUNCTIONS:
+        setattr(dist, name, dispatcher(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
