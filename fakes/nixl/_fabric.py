@@ -78,6 +78,10 @@ class FakeFabric:
         self._freed: list[tuple[int, int]] = []  # [lo, hi) ranges given back to the allocator
         self.faults = FaultBoard(self.now)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        # Inside the simulator: called when a state check finds a transfer still in flight, with the time its
+        # completion is due (inf if never).  The kernel sleeps the polling thread until then, which is what a
+        # polling loop costs in simulated time without one event per spin.
+        self.poll_wait: Callable[[float], None] | None = None
 
     def __repr__(self) -> str:
         return f"<FakeFabric profile={self.profile.name!r} agents={len(self.conns)} now={self.now():g}>"
@@ -103,10 +107,13 @@ class FakeFabric:
     def notif_delay(self) -> float:
         return self.time_model.notif_latency_s if self.simulated else 0.0
 
-    def schedule(self, delay: float, action: Callable[[], None]) -> None:
+    def schedule(self, delay: float, action: Callable[[], None]) -> float:
+        """Run ``action`` once ``delay`` has passed; returns the due time (inf: never, e.g. a stuck transfer)."""
         if math.isinf(delay):
-            return  # never happens: a stuck transfer
-        heapq.heappush(self._pending, (self.now() + delay, next(self._ids), action))
+            return math.inf
+        due = self.now() + delay
+        heapq.heappush(self._pending, (due, next(self._ids), action))
+        return due
 
     def progress(self) -> None:
         """Run everything that is due.  Every agent call starts here (NIXL's progress thread, made explicit)."""

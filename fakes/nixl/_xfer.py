@@ -51,6 +51,7 @@ class XferReq:
     released: bool = False
     fail_after: Any = None
     finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
+    due: float = 0.0  # when the bytes will have moved (inf: never)
     telemetry: dict = field(default_factory=dict)
 
     @property
@@ -269,7 +270,7 @@ class XferMixin:
                 req.state = DONE
             return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
         epoch = req.epoch
-        self.fabric.schedule(delay, lambda: self._complete(req, epoch))
+        req.due = self.fabric.schedule(delay, lambda: self._complete(req, epoch))
         return S.nixl_status_t.NIXL_IN_PROG
 
     def _complete(self, req: XferReq, epoch: int) -> None:
@@ -321,7 +322,11 @@ class XferMixin:
                 req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (row 26)
         if req.state == ERR:
             S.fail(req.error, f"getXferStatus: transfer failed with {S.name_of(req.error)}")
-        return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
+        if req.state == DONE:
+            return S.nixl_status_t.NIXL_SUCCESS
+        if self.fabric.poll_wait is not None:
+            self.fabric.poll_wait(req.due)
+        return S.nixl_status_t.NIXL_IN_PROG
 
     def releaseXferReq(self, handle: int) -> None:
         self._enter()

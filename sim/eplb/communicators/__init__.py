@@ -1,0 +1,1 @@
+"""EPLB communicator lifecycle strategies: the code under test."""

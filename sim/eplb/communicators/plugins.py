@@ -1,0 +1,57 @@
+"""Finding strategies: built-in names or ``package.module:factory``, one fresh module instance per process."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import sys
+from typing import Callable
+
+from sim.errors import UnknownStrategy
+
+BUILTIN = {
+    "per-communicator-agent": "sim.eplb.communicators.per_agent:create",
+    "arena-registry": "sim.eplb.communicators.arena_registry:create",
+    "shared-agent": "sim.eplb.communicators.shared_agent:create",
+}
+
+_instances = itertools.count()
+
+
+def resolve(name: str) -> str:
+    """``module:factory`` for a built-in name or a user's path; UnknownStrategy (one line) otherwise."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" in name:
+        module, _, factory = name.partition(":")
+        if module and factory:
+            return name
+    raise UnknownStrategy(f"strategy {name!r} not found; known: {', '.join(BUILTIN)}, or package.module:factory")
+
+
+def load(name: str, fresh: bool = True) -> Callable:
+    """The factory of strategy ``name``.  With ``fresh``, from a new instance of its module, so that module-level
+    state (a process-wide registry) belongs to one simulated process only."""
+    module_name, _, factory_name = resolve(name).partition(":")
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} cannot be imported ({exc})") from None
+    if spec is None or spec.loader is None:
+        raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)")
+    if fresh:
+        module = importlib.util.module_from_spec(spec)
+        module.__name__ = f"{module_name}#epsim{next(_instances)}"
+        sys.modules[module.__name__] = module  # dataclasses and pickling look classes' modules up here
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - a user's module failing to import is their error, in one line
+            raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    else:
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise UnknownStrategy(f"strategy {name!r}: {module_name!r} has no callable {factory_name!r}")
+    return factory
