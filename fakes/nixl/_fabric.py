@@ -147,7 +147,8 @@ class FakeFabric:
 
     def kill_process(self, pid: int) -> None:
         """SIGKILL: the process's agents vanish without a word to their peers, as with real NIXL (rows 30, 31)."""
-        proc = self.processes[pid]
+        # The simulator names its processes itself (whoami); the fabric learns of one when it dies.
+        proc = self.processes.setdefault(pid, _SimProcess(pid, f"proc{pid}"))
         proc.alive = False
         for conn in sorted(self.conns.keys()):
             core = self.conns.get(conn)
@@ -156,7 +157,8 @@ class FakeFabric:
         self.emit("process.kill", pid=pid)
 
     def alive(self, pid: int) -> bool:
-        return self.processes[pid].alive
+        proc = self.processes.get(pid)
+        return proc is None or proc.alive
 
     # -- memory ---------------------------------------------------------------------------------------------
     def free(self, addr: int, length: int) -> None:

@@ -97,7 +97,8 @@ class MemoryMixin:
             self._refuse_shared_pages(new)
         self.regions.extend(new)  # all or nothing: nothing above added anything
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in new]
-        self.fabric.emit("register", agent=self.name, pid=self.pid, ranges=[(r.addr, r.length) for r in new])
+        self.fabric.emit("register", agent=self.name, pid=self.pid, conn=self.conn,
+                         ranges=[(r.addr, r.length) for r in new])
 
     def _refuse_shared_pages(self, new: list[Region]) -> None:
         # Byte ranges, not whole pages: allocators put unrelated small buffers on one page, and what was reported
@@ -131,7 +132,8 @@ class MemoryMixin:
         self.regions = remaining
         removed = matched
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in removed]
-        self.fabric.emit("deregister", agent=self.name, pid=self.pid, ranges=[(r.addr, r.length) for r in removed])
+        self.fabric.emit("deregister", agent=self.name, pid=self.pid, conn=self.conn,
+                         ranges=[(r.addr, r.length) for r in removed])
 
     def getLocalMD(self) -> bytes:
         self._enter()

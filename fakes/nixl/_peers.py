@@ -68,13 +68,14 @@ class PeersMixin:
             peer.conn = conn
         if adding:
             self.peers[name] = peer
-        self.fabric.emit("peer.load", agent=self.name, peer=name, sections=len(sections))
+        self.fabric.emit("peer.load", agent=self.name, pid=self.pid, conn=self.conn, peer=name, peer_conn=peer.conn,
+                         sections=len(sections))
         return name.encode()
 
     def invalidateRemoteMD(self, name: str) -> None:
         self._enter()
         if self.peers.pop(name, None) is not None:
-            self.fabric.emit("peer.remove", agent=self.name, peer=name)
+            self.fabric.emit("peer.remove", agent=self.name, pid=self.pid, conn=self.conn, peer=name)
 
     def checkRemoteMD(self, name: str, descs: Any) -> S.nixl_status_t:
         self._enter()
@@ -104,7 +105,7 @@ class PeersMixin:
 
     def _fail_endpoint(self, peer: Peer, why: str) -> None:
         peer.failed = True
-        self.fabric.emit("peer.fail", agent=self.name, peer=peer.name, why=why)
+        self.fabric.emit("peer.fail", agent=self.name, pid=self.pid, peer=peer.name, why=why)
 
     # -- notifications ----------------------------------------------------------------------------------------
     def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> None:

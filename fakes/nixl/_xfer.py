@@ -263,7 +263,7 @@ class XferMixin:
             late = faults.take("xfer.late", self.name, req.peer)
             if late is not None:
                 delay += float(late.params.get("delay", 1.0))
-        self.fabric.emit("xfer.post", agent=self.name, peer=req.peer, op=req.op, nbytes=req.nbytes)
+        self._emit_xfer("xfer.post", req)
         if delay <= 0:
             self._complete(req, req.epoch)
             if req.finished:
@@ -272,6 +272,15 @@ class XferMixin:
         epoch = req.epoch
         req.due = self.fabric.schedule(delay, lambda: self._complete(req, epoch))
         return S.nixl_status_t.NIXL_IN_PROG
+
+    def _emit_xfer(self, kind: str, req: XferReq) -> None:
+        if not self.fabric.listeners:
+            return
+        peer = self.peers.get(req.peer)
+        target = self.conn if req.peer == self.name else (peer.conn if peer is not None else None)
+        self.fabric.emit(kind, agent=self.name, pid=self.pid, conn=self.conn, peer=req.peer, target=target,
+                         op=req.op, nbytes=req.nbytes, local=[(la, n) for la, _, n in req.pairs],
+                         remote=[(ra, n) for _, ra, n in req.pairs])
 
     def _complete(self, req: XferReq, epoch: int) -> None:
         if req.state != PROC or req.epoch != epoch or self.destroyed:
@@ -292,7 +301,7 @@ class XferMixin:
             self.wired_to_self = True
         elif req.peer in self.peers:
             self.peers[req.peer].wired = True
-        self.fabric.emit("xfer.done", agent=self.name, peer=req.peer, op=req.op, nbytes=req.nbytes)
+        self._emit_xfer("xfer.done", req)
         if req.notif:
             target = self if req.peer == self.name else self._target(self.peers[req.peer])
             if target is not None:

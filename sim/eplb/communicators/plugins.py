@@ -41,9 +41,13 @@ def load(name: str, fresh: bool = True) -> Callable:
     if spec is None or spec.loader is None:
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)")
     if fresh:
+        if spec.origin is None or not spec.has_location:
+            raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
+        unique = f"{module_name}#epsim{next(_instances)}"
+        spec = importlib.util.spec_from_file_location(unique, spec.origin)
         module = importlib.util.module_from_spec(spec)
-        module.__name__ = f"{module_name}#epsim{next(_instances)}"
-        sys.modules[module.__name__] = module  # dataclasses and pickling look classes' modules up here
+        module.__package__ = module_name.rpartition(".")[0]  # relative imports resolve in the real package
+        sys.modules[unique] = module  # dataclasses and pickling look classes' modules up here
         try:
             spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - a user's module failing to import is their error, in one line

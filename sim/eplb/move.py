@@ -1,0 +1,242 @@
+"""Planning and applying one layer's expert weight move, as vLLM's ``rearrange`` does it with ``move_to_buffer`` and
+``move_from_buffer`` over a receiver-initiated communicator (NIXL READs: ``add_send`` is bookkeeping, ``add_recv``
+pulls the row).
+
+For each rank and layer (vLLM's ``move_to_buffer``):
+
+* a row whose logical expert does not change is *unchanged* and left alone;
+* a row whose new expert this rank already holds (in any old row) is a *local copy*: staged from the lowest such
+  old row into ``expert_buffer[dst_row]`` before anything is written, so permutations are safe;
+* otherwise the rank *receives* the expert, once per expert: into ``expert_buffer`` at the lowest row that needs it,
+  from a source rank chosen by :func:`plan_sources`; further rows needing the same expert are *recv copies* from
+  that buffer row;
+* it *sends* what others chose it as the source for (``sends``); the reader reads the sender's lowest old row
+  holding the expert (``LayerPlan.send_row``, the ``expert_id -> src_row`` map of ``set_transfer_context``).
+
+Then, once every rank's transfers of the layer are done (vLLM's barrier in ``execute``), ``move_from_buffer`` copies
+the staged and received rows from ``expert_buffer`` into the weights.
+
+Elastic changes: ``rank_mapping`` (old rank -> new rank, -1 removed) puts both placements into one *communication
+rank space*, as vLLM's ``rearrange`` does.  Scale-down runs on the old group: ranks are old ranks, a removed rank
+still sends but receives nothing (its new rows are all -1).  Scale-up runs on the new group: ranks are new ranks, a
+new rank has nothing in ``old`` (its old rows are all -1) so it only receives.  Without a mapping the two placements
+must have the same ``ep_size`` (or the default mapping of :func:`~sim.eplb.state.normalize_rank_mapping` applies).
+
+Everything here is a function of (old, new, layer, rank_mapping), so every rank computes the same plan for the whole
+layer.  Tensors are only touched through their methods; torch is not imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .state import EplbError, Placement, normalize_rank_mapping
+
+RankMapping = Mapping[int, int] | Sequence[int] | None
+
+
+@dataclass(frozen=True)
+class RankSpace:
+    """The ranks a move runs over.  ``to_old[c]`` / ``to_new[c]``: the old / new rank of communication rank ``c``
+    (-1: none; a rank being removed has no new rank, a rank being added no old one).  ``group`` is ``"old"`` for a
+    move on the old group (same size, scale-down) and ``"new"`` for one on the new group (scale-up)."""
+
+    group: str
+    to_old: tuple[int, ...]
+    to_new: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.to_old)
+
+
+def rank_space(old: Placement, new: Placement, rank_mapping: RankMapping = None) -> RankSpace:
+    """The communication ranks for moving from ``old`` to ``new``; see the module docstring."""
+    for what in ("num_layers", "num_local_experts", "num_logical"):
+        if getattr(old, what) != getattr(new, what):
+            raise EplbError(f"old and new placements differ in {what}: {getattr(old, what)} vs "
+                            f"{getattr(new, what)}")
+    mapping = normalize_rank_mapping(rank_mapping, old.ep_size, new.ep_size)
+    targets = {t for t in mapping.values() if t >= 0}
+    if len(targets) == new.ep_size:  # every new rank is an old one: run on the old group
+        return RankSpace("old", tuple(range(old.ep_size)), tuple(mapping[r] for r in range(old.ep_size)))
+    if all(t >= 0 for t in mapping.values()):  # nobody leaves: run on the new group
+        inverse = {t: r for r, t in mapping.items()}
+        return RankSpace("new", tuple(inverse.get(c, -1) for c in range(new.ep_size)), tuple(range(new.ep_size)))
+    raise EplbError(f"rank_mapping {mapping} both removes ranks and adds new ones; do one at a time")
+
+
+def layer_indices(old: Placement, new: Placement, layer: int,
+                  rank_mapping: RankMapping = None) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's ``old_global_expert_indices`` / ``new_global_expert_indices`` for one layer in the communication rank
+    space: two flat int64 arrays of ``space.size * num_local_experts`` logical ids, -1 for a slot with no expert."""
+    space = rank_space(old, new, rank_mapping)
+    n = old.num_local_experts
+    old_idx = np.full(space.size * n, -1, dtype=np.int64)
+    new_idx = np.full(space.size * n, -1, dtype=np.int64)
+    for c in range(space.size):
+        if space.to_old[c] >= 0:
+            old_idx[c * n:(c + 1) * n] = old.rank_rows(space.to_old[c], layer)
+        if space.to_new[c] >= 0:
+            new_idx[c * n:(c + 1) * n] = new.rank_rows(space.to_new[c], layer)
+    return old_idx, new_idx
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one rank does to move one layer.  Ranks are communication ranks (:class:`RankSpace`), rows index the
+    rank's ``[num_local_experts, hidden]`` tensors and its ``expert_buffer``."""
+
+    layer: int
+    rank: int
+    old_rows: list[int]                         # logical id per row before the move (-1: none)
+    new_rows: list[int]                         # logical id per row after the move (-1: none)
+    unchanged: list[int] = field(default_factory=list)               # rows left alone
+    local_copies: list[tuple[int, int]] = field(default_factory=list)  # (dst_row, src_row), staged via the buffer
+    recvs: list[tuple[int, int, int]] = field(default_factory=list)    # (dst_row, src_rank, logical), by logical
+    recv_copies: list[tuple[int, int]] = field(default_factory=list)   # (dst_row, buffer_row) of a received expert
+    sends: list[tuple[int, int]] = field(default_factory=list)         # (dst_rank, logical), by logical then rank
+
+    def send_row(self, logical: int) -> int:
+        """The row a reader of ``logical`` reads from this rank: the lowest old row holding it (-1: none)."""
+        return self.old_rows.index(logical) if logical in self.old_rows else -1
+
+    @property
+    def is_noop(self) -> bool:
+        return not (self.local_copies or self.recvs or self.recv_copies or self.sends)
+
+
+def _rows(old: Placement, new: Placement, layer: int, rank_mapping: RankMapping):
+    old_idx, new_idx = layer_indices(old, new, layer, rank_mapping)
+    n = old.num_local_experts
+    return old_idx.reshape(-1, n).tolist(), new_idx.reshape(-1, n).tolist()
+
+
+def _needs(old_rows: list[int], new_rows: list[int]):
+    """(unchanged, local_copies, first rows to receive {logical: row}, recv_copies) of one rank."""
+    unchanged, local, recv_copies = [], [], []
+    first_recv: dict[int, int] = {}
+    for row, (was, want) in enumerate(zip(old_rows, new_rows)):
+        if was == want:
+            unchanged.append(row)
+        elif want == -1:
+            continue
+        elif want in old_rows:
+            local.append((row, old_rows.index(want)))
+        elif want in first_recv:
+            recv_copies.append((row, first_recv[want]))
+        else:
+            first_recv[want] = row
+    return unchanged, local, first_recv, recv_copies
+
+
+def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int) -> dict[tuple[int, int], int]:
+    wanted = []  # (logical, dst_rank, dst_row)
+    for dst in range(len(new_rows)):
+        _, _, first_recv, _ = _needs(old_rows[dst], new_rows[dst])
+        wanted.extend((logical, dst, row) for logical, row in first_recv.items())
+    sends = [0] * len(old_rows)
+    out: dict[tuple[int, int], int] = {}
+    for logical, dst, row in sorted(wanted):
+        holders = [r for r in range(len(old_rows)) if logical in old_rows[r]]
+        if not holders:
+            raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {dst} but no rank holds "
+                            f"it before the move")
+        src = min(holders, key=lambda r: (sends[r], r))
+        sends[src] += 1
+        out[(dst, row)] = src
+    return dict(sorted(out.items()))
+
+
+def plan_sources(old: Placement, new: Placement, layer: int,
+                 rank_mapping: RankMapping = None) -> dict[tuple[int, int], int]:
+    """``{(dst_rank, dst_row): src_rank}`` for every expert received in ``layer``, one entry per (rank, expert) at
+    the lowest row that needs it.  Receivers are served by logical id, then rank; each takes, among the ranks holding
+    the expert in ``old``, the one with the fewest sends so far in this layer, then the lowest rank."""
+    old_rows, new_rows = _rows(old, new, layer, rank_mapping)
+    return _sources(old_rows, new_rows, layer)
+
+
+def _plan(old_rows, new_rows, layer: int, rank: int, sources) -> LayerPlan:
+    unchanged, local, first_recv, recv_copies = _needs(old_rows[rank], new_rows[rank])
+    recvs = sorted(((row, sources[(rank, row)], logical) for logical, row in first_recv.items()),
+                   key=lambda x: x[2])
+    sends = sorted(((dst, new_rows[dst][row]) for (dst, row), src in sources.items() if src == rank),
+                   key=lambda x: (x[1], x[0]))
+    return LayerPlan(layer, rank, list(old_rows[rank]), list(new_rows[rank]), unchanged, local, recvs,
+                     recv_copies, sends)
+
+
+def plan_layer(old: Placement, new: Placement, layer: int, rank: int,
+               rank_mapping: RankMapping = None) -> LayerPlan:
+    """The plan of communication rank ``rank`` for ``layer``."""
+    old_rows, new_rows = _rows(old, new, layer, rank_mapping)
+    if not 0 <= rank < len(old_rows):
+        raise IndexError(f"rank {rank} out of range 0..{len(old_rows) - 1} of the move's rank space")
+    return _plan(old_rows, new_rows, layer, rank, _sources(old_rows, new_rows, layer))
+
+
+def plan_all(old: Placement, new: Placement, layer: int, rank_mapping: RankMapping = None) -> list[LayerPlan]:
+    """Every communication rank's plan for ``layer`` (index = rank)."""
+    old_rows, new_rows = _rows(old, new, layer, rank_mapping)
+    sources = _sources(old_rows, new_rows, layer)
+    return [_plan(old_rows, new_rows, layer, r, sources) for r in range(len(old_rows))]
+
+
+# ------------------------------------------------------------------------------------------------ applying a plan
+
+
+def stage_local_copies(weights_layer, buffer, plan: LayerPlan) -> None:
+    """The local part of ``move_to_buffer``: ``buffer[t][dst] = weights_layer[t][src]`` for every local copy.
+    Only reads the weights, so peers may still be reading them."""
+    for dst, src in plan.local_copies:
+        for w, b in zip(weights_layer, buffer, strict=True):
+            b[dst].copy_(w[src])
+
+
+def move_from_buffer(weights_layer, buffer, plan: LayerPlan) -> None:
+    """vLLM's ``move_from_buffer``: write staged local copies, received rows and their recv copies from the
+    ``expert_buffer`` into the weights.  Call after every rank's transfers of the layer are complete."""
+    rows = [(dst, dst) for dst, _ in plan.local_copies]
+    rows += [(dst, dst) for dst, _, _ in plan.recvs]
+    rows += list(plan.recv_copies)
+    for dst, src in rows:
+        for w, b in zip(weights_layer, buffer, strict=True):
+            w[dst].copy_(b[src])
+
+
+def apply_layer(weights_layer, buffer, plan: LayerPlan) -> None:
+    """Finish one rank's layer once its received rows are in ``buffer`` (at each recv's ``dst_row``): stage the
+    local copies, then :func:`move_from_buffer`.  ``weights_layer`` and ``buffer`` are lists of
+    ``[num_local_experts, hidden]`` tensors, one per weight tensor of the layer."""
+    stage_local_copies(weights_layer, buffer, plan)
+    move_from_buffer(weights_layer, buffer, plan)
+
+
+def rearrange_in_memory(old: Placement, new: Placement, weights, rank_mapping: RankMapping = None) -> None:
+    """Reference execution of a whole rearrange on in-memory tensors: ``weights[c][layer][t]`` are the expert
+    weights of communication rank ``c`` (a rank being added holds anything).  Layer by layer, every rank reads its
+    recvs from the source's old rows, then every rank applies its plan.  Raises :class:`EplbError` when a receiver's
+    source does not list the send."""
+    space = rank_space(old, new, rank_mapping)
+    if len(weights) != space.size:
+        raise EplbError(f"weights has {len(weights)} ranks, the move runs over {space.size}")
+    for layer in range(old.num_layers):
+        plans = plan_all(old, new, layer, rank_mapping)
+        buffers = []
+        for c, plan in enumerate(plans):
+            buf = [w.new_full(tuple(w.shape), float("nan")) for w in weights[c][layer]]
+            for dst_row, src, logical in plan.recvs:
+                if (c, logical) not in plans[src].sends:
+                    raise EplbError(f"layer {layer}: rank {c} reads logical {logical} from rank {src}, which does "
+                                    f"not list that send")
+                src_row = plans[src].send_row(logical)
+                for b, w in zip(buf, weights[src][layer], strict=True):
+                    b[dst_row].copy_(w[src_row])
+            stage_local_copies(weights[c][layer], buf, plan)
+            buffers.append(buf)
+        for c, plan in enumerate(plans):
+            move_from_buffer(weights[c][layer], buffers[c], plan)

@@ -1,0 +1,136 @@
+"""The fault catalogue: every site a run can arm, as data.
+
+A run's faults are a list of :class:`Armed` sites with parameters (from the scenario, ``--fault`` on the command
+line, or drawn per seed in swarm mode).  NIXL sites are handed to the fake NIXL's fault board when their step comes;
+GC sites are consulted by :mod:`sim.gc` whenever a communicator is dropped.  ``epsim faults`` prints this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fakes.nixl._faults import PARAMS as NIXL_PARAMS
+from fakes.nixl._faults import SITES as NIXL_SITES
+
+from .errors import ScenarioError
+
+GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
+    "gc.late": ("a dropped communicator is finalized delay_s later, on a thread of its own process",
+                frozenset({"delay_s"})),
+    "gc.cycle": ("a dropped communicator sits in a reference cycle until the next planned gc.collect()",
+                 frozenset()),
+    "gc.thread": ("a dropped communicator is finalized on another thread of its process (async EPLB / prepare)",
+                  frozenset()),
+    "gc.never": ("a dropped communicator lives until interpreter shutdown, when the fake modules are torn down",
+                 frozenset()),
+}
+COMMON = frozenset({"rank", "times", "at_step"})
+
+SITES: dict[str, str] = {**{f"nixl.{k}": v for k, v in NIXL_SITES.items()},
+                         **{k: v for k, (v, _) in GC_SITES.items()}}
+
+
+def params_of(site: str) -> frozenset[str]:
+    if site in GC_SITES:
+        return GC_SITES[site][1] | COMMON
+    return NIXL_PARAMS[site.removeprefix("nixl.")] | COMMON
+
+
+@dataclass
+class Armed:
+    site: str
+    params: dict[str, Any] = field(default_factory=dict)
+    fired: int = 0
+
+    @property
+    def times(self) -> int | None:
+        return self.params.get("times")
+
+    @property
+    def at_step(self) -> int:
+        return int(self.params.get("at_step", 0))
+
+    def __str__(self) -> str:
+        args = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.site}:{args}" if args else self.site
+
+
+def validate(site: str, params: dict[str, Any]) -> Armed:
+    if site not in SITES:
+        raise ScenarioError(f"fault site {site!r} not found; known: {', '.join(SITES)} (see `epsim faults`)")
+    unknown = sorted(set(params) - params_of(site))
+    if unknown:
+        raise ScenarioError(f"fault {site}: no parameter {unknown[0]!r}; it takes: "
+                            f"{', '.join(sorted(params_of(site)))}")
+    return Armed(site, dict(params))
+
+
+def parse(text: str) -> Armed:
+    """``SITE[:k=v,...]`` from the command line; values become int, float or bool where they look like one."""
+    site, _, rest = text.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ScenarioError(f"--fault {text!r}: parameters are k=v separated by commas")
+        params[key.strip()] = _value(raw.strip())
+    return validate(site.strip(), params)
+
+
+def _value(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+class FaultPlan:
+    """The faults of one run: arms NIXL sites on the fabric at their step, answers GC sites when asked."""
+
+    def __init__(self, armed: list[Armed], fabric, history) -> None:
+        self.armed = armed
+        self.fabric = fabric
+        self.history = history
+        self._nixl_pending = sorted((a for a in armed if a.site.startswith("nixl.")), key=lambda a: a.at_step)
+        self._nixl_live: list[tuple[Armed, Any]] = []
+        self.healing = False
+
+    def at_step(self, step: int) -> None:
+        while self._nixl_pending and self._nixl_pending[0].at_step <= step and not self.healing:
+            a = self._nixl_pending.pop(0)
+            kwargs = {k: v for k, v in a.params.items() if k not in COMMON}
+            board = self.fabric.faults.arm(a.site.removeprefix("nixl."), times=a.times, **kwargs)
+            self._nixl_live.append((a, board))
+            self.history.record("fault.arm", site=a.site)
+
+    def take_gc(self, pid: int, what: str) -> Armed | None:
+        if self.healing:
+            return None
+        for a in self.armed:
+            if a.site not in GC_SITES or (a.times is not None and a.fired >= a.times):
+                continue
+            if "rank" in a.params and int(a.params["rank"]) != pid:
+                continue
+            a.fired += 1
+            self.history.record("fault.fire", site=a.site, pid=pid, what=what)
+            return a
+        return None
+
+    def heal(self) -> None:
+        """The healing phase: nothing fires any more."""
+        self.healing = True
+        self.fabric.faults.disarm_all()
+        self.history.record("fault.heal")
+
+    def fired(self) -> dict[str, int]:
+        counts = {str(a): a.fired for a in self.armed if a.site in GC_SITES}
+        for a, board in self._nixl_live:
+            counts[str(a)] = board.fired
+        for a in self._nixl_pending:
+            counts[str(a)] = 0
+        return counts

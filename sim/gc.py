@@ -1,0 +1,71 @@
+"""The garbage-collection controller: when a dropped communicator (or buffer) is finalized.
+
+During a run Python's automatic collector is off (the kernel disables it): an object dies when its last reference
+goes (refcounting, what CPython does for acyclic garbage) or at a *planned* collection (vLLM's switch_and_prepare
+calls ``gc.collect()``; the run's end is another).  The GC faults move a finalization somewhere else in time or onto
+another thread, and record where it ran:
+
+- ``gc.late``: the dropped object is kept alive ``delay_s`` longer, then released on a thread of its own process;
+- ``gc.cycle``: it is put in a reference cycle, so only the next planned collection finalizes it;
+- ``gc.thread``: it is released on another simulated thread of the process (the async-EPLB or prepare thread);
+- ``gc.never``: it survives until interpreter shutdown, when the fake modules are already torn down.
+"""
+
+from __future__ import annotations
+
+import gc as _gc
+from typing import Any
+
+
+class GcController:
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.kernel = cluster.kernel
+        self._cycles: list[list] = []
+        self._immortal: list[tuple[int, str, Any]] = []
+        self.finalized: list[tuple[float, int, str, str]] = []  # (t, pid, what, how)
+
+    def drop(self, pid: int, obj: Any, what: str) -> None:
+        """``obj`` just lost its owner's reference (the caller deletes its own name right after)."""
+        faults = self.cluster.faults
+        fault = faults.take_gc(pid, what)
+        how = fault.site if fault is not None else "refcount"
+        self.kernel.history.record("gc.drop", pid=pid, what=what, how=how)
+        if fault is None:
+            return  # the caller's `del` is the last reference: finalized right there, on the caller's thread
+        if fault.site == "gc.late":
+            delay = float(fault.params.get("delay_s", 1.0))
+            holder = [obj]
+            self.kernel.spawn(f"gc-late@{pid}", self._release_later, holder, delay, pid, what, pid=pid, daemon=True)
+        elif fault.site == "gc.cycle":
+            cell: list = [obj]
+            cell.append(cell)
+            self._cycles.append(cell)
+        elif fault.site == "gc.thread":
+            holder = [obj]
+            worker = self.cluster.workers.get(pid)
+            target = worker.other_thread_name() if worker is not None else f"gc@{pid}"
+            self.kernel.spawn(target, self._release_later, holder, 0.0, pid, what, pid=pid, daemon=True)
+        elif fault.site == "gc.never":
+            self._immortal.append((pid, what, obj))
+
+    def _release_later(self, holder: list, delay: float, pid: int, what: str) -> None:
+        if delay > 0:
+            self.kernel.sleep(delay, "gc.late")
+        self.kernel.history.record("gc.finalize", pid=pid, what=what, how="released")
+        holder.clear()  # the last reference: the finalizer runs on this thread, now
+
+    def collect(self, reason: str) -> int:
+        """A planned collection (what ``gc.collect()`` at that point in vLLM does)."""
+        cycles, self._cycles = self._cycles, []
+        for cell in cycles:
+            cell.clear()  # break our handle on it; the cycle itself is now garbage for the collector
+        del cycles
+        found = _gc.collect()
+        self.kernel.history.record("gc.collect", reason=reason, cycles_broken=found > 0)
+        return found
+
+    def shutdown(self) -> list[tuple[int, str, Any]]:
+        """What is left for interpreter shutdown (gc.never); the caller finalizes it with the fakes torn down."""
+        left, self._immortal = self._immortal, []
+        return left

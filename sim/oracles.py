@@ -1,0 +1,152 @@
+"""Oracles: invariants over live state and the event history, judged into a verdict.
+
+Safety invariants (checked as the run goes, each violation tied to the event where it happened):
+
+- ``unregistered_access``: bytes moved from or into memory that no live agent had registered at that moment
+  (cma/NVLink copy it anyway; an RDMA NIC would fail; either way the strategy relied on a registration it lost);
+- ``expert_weights``: after a rebalance, a rank's weights differ from the placement;
+- ``stale_peer``: after a reconfiguration completed, a live agent still has a departed agent loaded;
+- ``leak``: after shutdown an agent is still alive, or a registration was never released.
+
+Observations that are not violations under the run's profile (two live agents of one process registering the same
+pages on ``dram``) are counted in ``metrics``; under ``rocm-strict`` the fake refuses them and the run crashes.
+
+Liveness: a collective some rank never reached, a worker stuck when the run ended.  Crash: an exception escaped the
+code under test.  The verdict is the earliest problem in the history.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Problem:
+    verdict: str  # safety, liveness, crash
+    invariant: str
+    detail: str
+    index: int  # position in the history
+
+
+def _covered(ranges: list[tuple[int, int]], lo: int, n: int) -> bool:
+    return any(a <= lo and lo + n <= a + m for a, m in ranges)
+
+
+class Oracles:
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.history = cluster.kernel.history
+        self.live: dict[str, list[tuple[int, int]]] = {}  # agent conn -> live registered ranges
+        self.agent_pid: dict[str, int] = {}
+        self.agent_name: dict[str, str] = {}
+        self.destroyed: set[str] = set()
+        self.peers: dict[str, dict[str, str]] = defaultdict(dict)  # conn -> {peer name: peer conn}
+        self.problems: list[Problem] = []
+        self.metrics: dict[str, Any] = {"registrations": 0, "duplicate_registrations": 0,
+                                        "max_live_agents_per_process": 0, "agents_created": 0,
+                                        "transfers": 0, "bytes_moved": 0}
+
+    def _problem(self, verdict: str, invariant: str, detail: str) -> None:
+        self.problems.append(Problem(verdict, invariant, detail, len(self.history)))
+        self.history.record("oracle.violation", verdict=verdict, invariant=invariant, detail=detail)
+
+    # -- the fabric's events ----------------------------------------------------------------------------------
+    def on_fabric(self, kind: str, f: dict[str, Any]) -> None:
+        conn = f.get("conn")
+        if kind == "agent.create":
+            self.live[conn] = []
+            self.agent_pid[conn], self.agent_name[conn] = f["pid"], f["agent"]
+            self.metrics["agents_created"] += 1
+            per_pid = sum(1 for c in self.live if self.agent_pid[c] == f["pid"])
+            self.metrics["max_live_agents_per_process"] = max(self.metrics["max_live_agents_per_process"], per_pid)
+        elif kind == "agent.destroy":
+            self.live.pop(conn, None)
+            self.peers.pop(conn, None)
+            self.destroyed.add(conn)
+        elif kind == "register":
+            self._note_duplicates(conn, f["pid"], f["ranges"])
+            self.live.setdefault(conn, []).extend(f["ranges"])
+            self.metrics["registrations"] += len(f["ranges"])
+        elif kind == "deregister":
+            ranges = self.live.get(conn, [])
+            for r in f["ranges"]:
+                if r in ranges:
+                    ranges.remove(r)
+        elif kind == "peer.load":
+            self.peers[conn][f["peer"]] = f["peer_conn"]
+        elif kind == "peer.remove":
+            self.peers[conn].pop(f["peer"], None)
+        elif kind == "xfer.done":
+            self._check_transfer(f)
+
+    def _note_duplicates(self, conn: str, pid: int, ranges: list[tuple[int, int]]) -> None:
+        for other, held in self.live.items():
+            if self.agent_pid.get(other) != pid:
+                continue
+            for lo, n in ranges:
+                if any(lo < a + m and a < lo + n for a, m in held):
+                    self.metrics["duplicate_registrations"] += 1
+                    self.history.record("oracle.duplicate_registration", pid=pid, agent=self.agent_name[conn],
+                                        other=self.agent_name.get(other, "?"), same_agent=other == conn)
+                    break
+
+    def _check_transfer(self, f: dict[str, Any]) -> None:
+        self.metrics["transfers"] += 1
+        self.metrics["bytes_moved"] += f["nbytes"]
+        src, dst = (f["target"], f["conn"]) if f["op"] == "READ" else (f["conn"], f["target"])
+        for (lo, n), side, conn in [(r, "local", f["conn"]) for r in f["local"]] + \
+                                   [(r, "remote", f["target"]) for r in f["remote"]]:
+            if not _covered(self.live.get(conn, []), lo, n):
+                who = self.agent_name.get(conn, conn)
+                state = "destroyed" if conn in self.destroyed else "live"
+                self._problem("safety", "unregistered_access",
+                              f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {n} B {'from' if (conn == src) else 'into'} "
+                              f"{side} memory of {who} ({state}) that was not registered at that moment")
+                return
+
+    # -- checks the harness asks for ----------------------------------------------------------------------------
+    def weights_checked(self, pid: int, problems: list[str]) -> None:
+        if problems:
+            more = f" (and {len(problems) - 1} more rows)" if len(problems) > 1 else ""
+            self._problem("safety", "expert_weights", f"pid {pid}: {problems[0]}{more}")
+
+    def reconfiguration_complete(self, members: list[int]) -> None:
+        """No live agent of a member still has an agent of a departed process loaded."""
+        for conn, peers in sorted(self.peers.items()):
+            pid = self.agent_pid.get(conn)
+            if pid not in members or conn not in self.live:
+                continue
+            for name, peer_conn in sorted(peers.items()):
+                peer_pid = self.agent_pid.get(peer_conn)
+                if peer_pid is not None and peer_pid not in members:
+                    self._problem("safety", "stale_peer",
+                                  f"agent {self.agent_name[conn]} (pid {pid}) still has {name} of departed pid "
+                                  f"{peer_pid} loaded after the reconfiguration to {members}")
+                    return
+
+    def after_shutdown(self) -> None:
+        for conn, ranges in sorted(self.live.items()):
+            self._problem("safety", "leak", f"agent {self.agent_name.get(conn, conn)} of pid "
+                                            f"{self.agent_pid.get(conn)} is still alive after shutdown holding "
+                                            f"{len(ranges)} registrations")
+            return
+
+    def crashed(self, thread: str, pid: int, exc: BaseException, index: int) -> None:
+        from fakes.torch_dist import CollectiveTimeout
+
+        if isinstance(exc, CollectiveTimeout):
+            self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index))
+        else:
+            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {type(exc).__name__}: {exc}",
+                                         index))
+
+    def stuck(self, detail: str) -> None:
+        self.problems.append(Problem("liveness", "stuck", detail, len(self.history)))
+
+    def verdict(self) -> tuple[str, str | None, str | None]:
+        if not self.problems:
+            return "pass", None, None
+        first = min(self.problems, key=lambda p: p.index)
+        return first.verdict, first.invariant, first.detail

@@ -1,0 +1,67 @@
+"""One simulated run from a scenario: set up, run, judge.  What ``epsim run`` prints and what sweeps store."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import faults as fault_catalogue
+from .cluster import Cluster
+from .errors import ScenarioError
+
+
+@dataclass
+class Result:
+    verdict: str
+    invariant: str | None
+    detail: str | None
+    seed: int
+    scenario: str
+    strategy: str
+    profile: str
+    trace_hash: str
+    events: int
+    sim_time_s: float
+    wall_s: float
+    faults_armed: list[str] = field(default_factory=list)
+    faults_fired: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
+                 faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None) -> Result:
+    """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace."""
+    seed = scenario.seed if seed is None else seed
+    strategy = strategy or scenario.strategy
+    profile = profile or scenario.profile
+    from fakes.nixl.profiles import PROFILES
+
+    if profile not in PROFILES:
+        raise ScenarioError(f"profile {profile!r} not found; known: {', '.join(PROFILES)}")
+    armed = [fault_catalogue.validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
+                                               **({"times": f.times} if f.times else {})})
+             for f in scenario.faults]
+    armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
+    started = time.perf_counter()
+    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed)
+    try:
+        cluster.run()
+    finally:
+        wall = time.perf_counter() - started
+    verdict, invariant, detail = cluster.oracles.verdict()
+    history = cluster.kernel.history
+    result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
+                    len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
+                    cluster.faults.fired(), dict(cluster.oracles.metrics))
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        history.write_jsonl(out / "history.jsonl")
+        history.write_perfetto(out / "trace.perfetto.json")
+    cluster.kernel.close()
+    return result

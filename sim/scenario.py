@@ -1,0 +1,489 @@
+"""Scenarios: the validated description of one run, loaded from YAML, and the built-in library in ``scenarios/``.
+
+A scenario says what is deployed (model shape, EP size), how it serves (step time, routing skew), when EPLB
+rebalances, what happens to the group over time (the *timeline*: scale up, scale down, an aborted reconfiguration, a
+rank failure), which faults are armed, and which strategy and hardware profile run it::
+
+    from sim import scenario
+    s = scenario.load("elastic-cycle")            # a built-in name ...
+    s = scenario.load("my/run.yaml")              # ... or a file
+    s.ep_sizes()                                  # [2, 4, 2, 4]
+    s2 = scenario.with_overrides(s, seed=7, eplb={"step_interval": 400})
+    s2.dump(bundle / "scenario.yaml")
+
+Every model forbids unknown keys, and YAML values are taken strictly (``"4"`` is not an integer, ``true`` is not a
+number).  Every problem (a YAML syntax error, a missing file, a wrong type, a timeline that removes more ranks than
+exist) is one :class:`~sim.errors.ScenarioError` line naming the file and the field, for example
+``scenarios/x.yaml: timeline[1].to: scale_down to 5 ranks but only 4 exist at step 2000``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ScenarioError
+
+__all__ = [
+    "ModelShape", "EplbConfig", "ServingConfig", "Event", "FaultSpec", "Scenario",
+    "load", "from_dict", "builtin_names", "builtin_dir", "with_overrides", "to_yaml", "dump",
+]
+
+# Where the built-in scenario files live: ``scenarios/`` beside the ``sim`` package, which is the repository root
+# in a source checkout and in an editable install.  EPSIM_SCENARIO_DIR points elsewhere (a wheel install ships no
+# ``scenarios/``).
+_REPO_SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+_SUFFIXES = (".yaml", ".yml")
+
+
+def builtin_dir() -> Path:
+    """The folder of built-in scenario files (``EPSIM_SCENARIO_DIR`` if set, else ``scenarios/`` in the repo)."""
+    env = os.environ.get("EPSIM_SCENARIO_DIR")
+    return Path(env) if env else _REPO_SCENARIOS
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in scenarios, sorted."""
+    d = builtin_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p.stem for p in d.iterdir() if p.suffix == ".yaml" and p.is_file())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schema
+
+
+class _Problem(ValueError):
+    """A cross-field problem at ``path`` (relative to the model that raises it), reported as ``path: message``."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+
+
+class ModelShape(_Strict):
+    """The MoE model as the simulation sees it: small real tensors, nominal sizes for the time model."""
+
+    layers: int = Field(ge=1, description="MoE layers")
+    experts: int = Field(ge=1, description="logical (routed) experts per layer")
+    local_experts: int = Field(ge=1, description="physical expert slots per rank; constant across EP sizes")
+    hidden: int = Field(4, ge=1, description="elements per expert row in the small real tensors")
+    tensors_per_layer: int = Field(2, ge=1, description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
+    nominal_expert_bytes: int = Field(ge=1, description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)")
+
+    def physical_experts(self, ep_size: int) -> int:
+        """Physical expert slots of one layer across ``ep_size`` ranks."""
+        return self.local_experts * ep_size
+
+    def min_ep_size(self) -> int:
+        """The smallest EP size whose slots hold every logical expert."""
+        return -(-self.experts // self.local_experts)
+
+
+class EplbConfig(_Strict):
+    """When EPLB rebalances; vLLM's defaults except ``use_async`` (False here, True in vLLM)."""
+
+    step_interval: int = Field(3000, ge=1, description="forward steps between rebalances")
+    window: int = Field(1000, ge=1, description="load window in steps")
+    use_async: bool = False
+    first_rebalance_step: Union[int, None] = Field(
+        None, ge=0, description="step of the first rebalance; default step_interval // 4, as vLLM")
+
+    @model_validator(mode="after")
+    def _derive_first(self) -> "EplbConfig":
+        if self.first_rebalance_step is None:
+            # Written into __dict__ so that it stays out of model_fields_set: with_overrides re-derives it when
+            # step_interval changes.
+            self.__dict__["first_rebalance_step"] = self.step_interval // 4
+        return self
+
+
+class ServingConfig(_Strict):
+    """The serving load: forward steps, routed tokens, and how skewed and how stable expert popularity is."""
+
+    step_time_s: float = Field(0.05, gt=0, description="simulated seconds per forward step")
+    tokens_per_step: int = Field(256, ge=1)
+    top_k: int = Field(8, ge=1, description="experts per token")
+    skew: float = Field(1.2, ge=0, description="Zipf exponent of expert popularity")
+    drift_every_steps: int = Field(0, ge=0, description="re-draw popularity every N steps; 0: never")
+
+
+EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]
+
+
+class Event(_Strict):
+    """One change to the group.  ``abort``: a reconfiguration to ``to`` ranks is prepared, then aborted."""
+
+    at_step: int = Field(ge=0)
+    kind: EventKind
+    to: Union[int, None] = Field(None, ge=1, description="new EP size (scale_up, scale_down, abort)")
+    rank: Union[int, None] = Field(None, ge=0, description="the rank that fails (fail_rank)")
+    prepare_s: float = Field(1.0, ge=0, description="simulated seconds PREPARE takes in the background")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "Event":
+        if self.kind == "fail_rank":
+            if self.rank is None:
+                raise _Problem("rank", "fail_rank needs the rank that fails")
+            if self.to is not None:
+                raise _Problem("to", "fail_rank takes rank, not to (the EP size drops by one)")
+        else:
+            if self.to is None:
+                raise _Problem("to", f"{self.kind} needs the new EP size")
+            if self.rank is not None:
+                raise _Problem("rank", f"only fail_rank takes a rank, not {self.kind}")
+        return self
+
+
+ParamValue = Union[bool, int, float, str]
+
+
+class FaultSpec(_Strict):
+    """An armed fault site (names are checked by the fault catalogue, not here)."""
+
+    site: str = Field(min_length=1)
+    params: dict[str, ParamValue] = Field(default_factory=dict)
+    at_step: Union[int, None] = Field(None, ge=0, description="armed from this step; None: from the start")
+    times: Union[int, None] = Field(None, ge=1, description="fires at most this often; None: every match")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _param_types(cls, value: Any) -> Any:
+        # Checked here so that an error names the parameter, not one member of the union per line.
+        if isinstance(value, dict):
+            for key, v in value.items():
+                if not isinstance(v, (bool, int, float, str)):
+                    raise _Problem(str(key), f"a fault parameter is a boolean, integer, number or string, "
+                                             f"not {type(v).__name__}")
+        return value
+
+
+class Scenario(_Strict):
+    """One run: deployment, load, EPLB, the timeline of group changes, armed faults, strategy and profile."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    ranks: int = Field(ge=1, description="initial EP size")
+    max_ranks: Union[int, None] = Field(None, ge=1, description="the EP size never exceeds this")
+    model: ModelShape
+    eplb: EplbConfig = Field(default_factory=EplbConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    timeline: list[Event] = Field(default_factory=list)
+    faults: list[FaultSpec] = Field(default_factory=list)
+    profile: str = Field("dram", min_length=1)
+    strategy: str = Field("shared-agent", min_length=1)
+    steps: int = Field(ge=1, description="total forward steps")
+    seed: int = Field(0, ge=0)
+    collective_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "Scenario":
+        m = self.model
+        if self.serving.top_k > m.experts:
+            raise _Problem("serving.top_k", f"{self.serving.top_k} exceeds model.experts = {m.experts}")
+        if self.max_ranks is not None and self.max_ranks < self.ranks:
+            raise _Problem("max_ranks", f"{self.max_ranks} is below ranks = {self.ranks}")
+        if m.physical_experts(self.ranks) < m.experts:
+            raise _Problem("ranks", f"{_ranks(self.ranks)} x {m.local_experts} local_experts = "
+                                    f"{m.physical_experts(self.ranks)} physical slots, fewer than "
+                                    f"model.experts = {m.experts}")
+        size = self.ranks
+        prev_step = 0
+        for i, ev in enumerate(self.timeline):
+            at = f"timeline[{i}]"
+            if ev.at_step >= self.steps:
+                raise _Problem(f"{at}.at_step", f"{ev.at_step} is not before steps = {self.steps}")
+            if ev.at_step < prev_step:
+                raise _Problem(f"{at}.at_step", f"{ev.at_step} comes before timeline[{i - 1}].at_step = "
+                                                f"{prev_step}; events must be sorted by at_step")
+            prev_step = ev.at_step
+            if ev.kind == "fail_rank":
+                assert ev.rank is not None
+                if ev.rank >= size:
+                    raise _Problem(f"{at}.rank", f"fail_rank of rank {ev.rank} but only ranks 0..{size - 1} "
+                                                 f"exist at step {ev.at_step}")
+                if size == 1:
+                    raise _Problem(f"{at}.rank", f"fail_rank of the only rank at step {ev.at_step}")
+                target, field = size - 1, f"{at}.rank"
+                what = f"after rank {ev.rank} fails, {_ranks(target)}"
+            else:
+                assert ev.to is not None
+                target, field = ev.to, f"{at}.to"
+                if ev.kind == "scale_up" and target <= size:
+                    raise _Problem(field, f"scale_up to {target} ranks but {size} already exist at step "
+                                          f"{ev.at_step}; scale_up must increase the EP size")
+                if ev.kind == "scale_down" and target >= size:
+                    raise _Problem(field, f"scale_down to {target} ranks but only {size} exist at step "
+                                          f"{ev.at_step}; scale_down must decrease the EP size")
+                if ev.kind == "abort" and target == size:
+                    raise _Problem(field, f"abort of a reconfiguration to {target} ranks but {size} already "
+                                          f"exist at step {ev.at_step}; the prepared size must differ")
+                if self.max_ranks is not None and target > self.max_ranks:
+                    raise _Problem(field, f"{ev.kind} to {target} ranks exceeds max_ranks = {self.max_ranks}")
+                what = f"{ev.kind} to {_ranks(target)}"
+            if m.physical_experts(target) < m.experts:
+                raise _Problem(field, f"{what} x {m.local_experts} local_experts = {m.physical_experts(target)} "
+                                      f"physical slots, fewer than model.experts = {m.experts}")
+            if ev.kind != "abort":
+                size = target
+        for i, f in enumerate(self.faults):
+            if f.at_step is not None and f.at_step >= self.steps:
+                raise _Problem(f"faults[{i}].at_step", f"{f.at_step} is not before steps = {self.steps}")
+        return self
+
+    # -- derived views -----------------------------------------------------------------------------------------
+
+    def ep_schedule(self) -> list[tuple[int, int]]:
+        """``(step, ep_size)`` from step 0 and at every event that changes the size (aborts do not)."""
+        out = [(0, self.ranks)]
+        size = self.ranks
+        for ev in self.timeline:
+            if ev.kind == "abort":
+                continue
+            size = size - 1 if ev.kind == "fail_rank" else typing.cast(int, ev.to)
+            out.append((ev.at_step, size))
+        return out
+
+    def ep_sizes(self) -> list[int]:
+        """The EP sizes over time, the initial one first: ``[2, 4, 2, 4]`` for elastic-cycle."""
+        return [size for _, size in self.ep_schedule()]
+
+    def peak_ranks(self) -> int:
+        """The most ranks alive at once, counting those an aborted reconfiguration prepares."""
+        prepared = [typing.cast(int, ev.to) for ev in self.timeline if ev.kind == "abort"]
+        return max(self.ep_sizes() + prepared)
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def to_yaml(self) -> str:
+        """The scenario as YAML, every field written (defaults included); ``load`` of it gives an equal one."""
+        return to_yaml(self)
+
+    def dump(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_yaml` to ``path`` (a result bundle's ``scenario.yaml``) and return the path."""
+        return dump(self, path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors as one line
+
+
+def _loc_str(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _join(prefix: str, path: str) -> str:
+    if not prefix:
+        return path
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class whose field ``loc[-1]`` is, following ``loc`` from :class:`Scenario`."""
+    current: Any = Scenario
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return None
+        ann = current.model_fields[part].annotation
+        while typing.get_origin(ann) in (list, Union):
+            ann = next((a for a in typing.get_args(ann) if a is not type(None)), None)
+        current = ann
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.splitlines())
+
+
+def _error_line(exc: ValidationError) -> str:
+    """``field.path: message`` for the first error, with a count of any others."""
+    errors = exc.errors()
+    err = errors[0]
+    loc = tuple(err.get("loc", ()))
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, _Problem):
+        line = f"{_join(_loc_str(loc), cause.path)}: {cause.message}"
+    elif err["type"] == "extra_forbidden":
+        owner = _model_at(loc)
+        key = str(loc[-1]) if loc else "?"
+        msg = "unknown key"
+        if owner is not None:
+            allowed = list(owner.model_fields)
+            close = difflib.get_close_matches(key, allowed, n=1)
+            msg += f"; did you mean '{close[0]}'?" if close else f" (allowed: {', '.join(allowed)})"
+        line = f"{_loc_str(loc)}: {msg}"
+    else:
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        line = f"{_loc_str(loc) or '(top level)'}: {msg}"
+    if len(errors) > 1:
+        line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return _one_line(line)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _mapping_no_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # keys a ``<<: *anchor`` merge brings in may be overridden
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, typing.Hashable):  # an unhashable key is refused by construct_mapping below
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_no_duplicates)
+
+
+def from_dict(data: Any, source: str = "scenario") -> Scenario:
+    """Validate a mapping (parsed YAML, a dict from code) into a :class:`Scenario`; problems name ``source``."""
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise ScenarioError(f"{source}: the top level must be a mapping of scenario fields, not {kind}")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(f"{source}: {_error_line(exc)}") from None
+
+
+def _load_file(path: Path, shown: str) -> Scenario:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ScenarioError(f"{shown}: no such scenario file") from None
+    except IsADirectoryError:
+        raise ScenarioError(f"{shown}: is a directory, not a scenario file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{shown}: cannot read: {_one_line(str(exc))}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown
+        raise ScenarioError(_one_line(f"{where}: invalid YAML: {exc.problem or exc.context or 'syntax error'}")) \
+            from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(_one_line(f"{shown}: invalid YAML: {exc}")) from None
+    return from_dict(data, shown)
+
+
+def load(path_or_name: str | os.PathLike[str]) -> Scenario:
+    """A built-in scenario by name (``scale-up``), or a YAML file by path (``runs/x.yaml``).
+
+    A string with a path separator or a ``.yaml``/``.yml`` suffix is a path; otherwise a built-in name, falling
+    back to a file of that name.  Anything wrong is one :class:`ScenarioError` line.
+    """
+    given = os.fspath(path_or_name)
+    names = builtin_names()
+    looks_like_path = (not isinstance(path_or_name, str) or os.sep in given or "/" in given
+                       or given.endswith(_SUFFIXES))
+    if not looks_like_path:
+        if given in names:
+            return _load_file(builtin_dir() / f"{given}.yaml", f"scenarios/{given}.yaml")
+        if Path(given).is_file():
+            return _load_file(Path(given), given)
+        listing = ", ".join(names) if names else f"none found in {builtin_dir()} (set EPSIM_SCENARIO_DIR)"
+        close = difflib.get_close_matches(given, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ScenarioError(f"unknown scenario '{given}': {hint}built-ins are {listing}; "
+                            f"or give a path to a .yaml file")
+    return _load_file(Path(given), given)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Changing and writing
+
+
+def _data(scenario: Scenario) -> dict[str, Any]:
+    """The scenario as plain data, leaving out values derived from others (so they are derived again)."""
+    data = scenario.model_dump(mode="python")
+    if "first_rebalance_step" not in scenario.eplb.model_fields_set:
+        del data["eplb"]["first_rebalance_step"]
+    return data
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="python")
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _merge(node: dict[str, Any], key_path: list[str], value: Any, shown: str) -> None:
+    """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping, anything else replaces."""
+    for i, key in enumerate(key_path[:-1]):
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ScenarioError(f"override {shown}: {'.'.join(key_path[:i + 1])} is not a mapping")
+    last, value = key_path[-1], _plain(value)
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        for k, v in value.items():
+            _merge(node[last], [k], v, shown)
+    else:
+        node[last] = value
+
+
+def with_overrides(scenario: Scenario, **changes: Any) -> Scenario:
+    """A copy of ``scenario`` with ``changes`` applied and everything validated again.
+
+    Keys are field names; nested fields take a mapping that is merged (``eplb={"step_interval": 400}``) or a
+    path with ``__`` or ``.`` (``eplb__step_interval=400``, ``**{"serving.skew": 0.8}``).  Lists are replaced.
+    A derived default (``eplb.first_rebalance_step``) follows the new values unless it was given explicitly.
+    """
+    data = _data(scenario)
+    for key, value in changes.items():
+        path = key.replace("__", ".").split(".")
+        if not all(path):
+            raise ScenarioError(f"override {key!r}: empty field name")
+        _merge(data, path, value, key)
+    return from_dict(data, f"{scenario.name} (with overrides)")
+
+
+def to_yaml(scenario: Scenario) -> str:
+    """The scenario as YAML in schema order, every field written; :func:`load` of it gives an equal one."""
+    return yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False, default_flow_style=False,
+                          allow_unicode=True, width=120)
+
+
+def dump(scenario: Scenario, path: str | os.PathLike[str]) -> Path:
+    """Write the scenario's YAML to ``path`` (parents created) and return the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(scenario), encoding="utf-8")
+    return out

@@ -1,0 +1,198 @@
+"""One simulated vLLM worker process: it serves forward steps, records expert load, rebalances experts through its
+EPLB communicator, and takes part in elastic reconfiguration (prepare in the background, commit, abort, exit).
+
+The worker's main thread takes commands from the engine (:mod:`sim.cluster`) one at a time, the way vLLM's engine
+drives its workers.  PREPARE and the async EPLB move run on threads of their own, as in vLLM ("ElasticEPAsync",
+the async EPLB daemon).  The communicator is the code under test; everything else here is the harness around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .eplb import move
+from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
+
+
+@dataclass
+class Command:
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+    done: Any = None  # simpy event the worker succeeds when the command is complete
+
+
+class Worker:
+    def __init__(self, cluster, pid: int, factory, placement: Placement | None, group, group_rank: int) -> None:
+        self.cluster, self.kernel, self.pid = cluster, cluster.kernel, pid
+        sc = cluster.scenario
+        self.shape = cluster.shape
+        self.factory = factory
+        n, hidden, tensors = sc.model.local_experts, sc.model.hidden, sc.model.tensors_per_layer
+        # Expert weights keep their storage for the worker's whole life (as vLLM's do), so registrations of them
+        # stay meaningful across reconfigurations; expert_buffer likewise.
+        self.weights = [[torch.full((n, hidden), float("nan")) for _ in range(tensors)]
+                        for _ in range(sc.model.layers)]
+        self.buffer = [torch.full((n, hidden), float("nan")) for _ in range(tensors)]
+        self.placement = placement
+        if placement is not None:
+            fill_weights(self.weights, placement, group_rank)
+        self.group, self.group_rank = group, group_rank
+        self.comm = None
+        self.prepared: tuple[Any, Any, int] | None = None  # (communicator, group, group rank)
+        self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
+        self.load = LoadWindow(sc.model.layers, sc.model.experts, max(1, sc.eplb.window))
+        self.inbox = cluster.kernel.env.event()
+        self._queue: list[Command] = []
+        self.async_thread = None
+        self.prepare_thread = None
+        self.main_thread = None
+        self.alive = True
+
+    # -- plumbing -----------------------------------------------------------------------------------------------
+    def post(self, cmd: Command) -> Any:
+        cmd.done = self.kernel.env.event()
+        self._queue.append(cmd)
+        if not self.inbox.triggered:
+            self.inbox.succeed()
+        return cmd.done
+
+    def other_thread_name(self) -> str:
+        return f"eplb-async@{self.pid}"
+
+    def start(self) -> None:
+        self.main_thread = self.kernel.spawn(f"worker@{self.pid}", self.main, pid=self.pid)
+
+    def main(self) -> None:
+        while True:
+            while not self._queue:
+                self.inbox = self.kernel.env.event()
+                self.kernel.wait(self.inbox, "waiting for the engine")
+            cmd = self._queue.pop(0)
+            result = getattr(self, f"do_{cmd.kind}")(**cmd.args)
+            cmd.done.succeed(result)
+            if cmd.kind == "exit":
+                return
+
+    def history(self, kind: str, **fields: Any) -> None:
+        self.kernel.history.record(kind, pid=self.pid, **fields)
+
+    # -- commands -----------------------------------------------------------------------------------------------
+    def do_start(self) -> None:
+        """Start-up (or a new rank's PRE_KV_INIT + PREPARE): the first communicator, with no predecessor."""
+        self.comm = self.factory(self.group, self.weights, self.buffer, None)
+        self.history("comm.create", gen=self.group.group_name, prev=False)
+
+    def do_serve(self, steps: int, loads: np.ndarray) -> None:
+        """``steps`` forward steps: they take simulated time and add this rank's share of the expert load."""
+        self.kernel.sleep(steps * self.cluster.scenario.serving.step_time_s, "serving")
+        self.load.record(loads)
+
+    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None) -> None:
+        """EPLB rearrange: all-reduce the load, then move every layer through the communicator (in async mode on the
+        async EPLB thread, one layer per forward step, while the main thread keeps serving)."""
+        self.join_async()
+        total = torch.from_numpy(self.load.total().astype(np.float64))
+        dist.all_reduce(total, group=self.group)
+        if self.cluster.scenario.eplb.use_async:
+            self.async_thread = self.kernel.spawn(self.other_thread_name(), self._move, old, new, mapping, True,
+                                                  pid=self.pid, daemon=True)
+        else:
+            self._move(old, new, mapping, False)
+
+    def do_drain(self) -> None:
+        self.join_async()
+
+    def join_async(self) -> None:
+        """vLLM's drain: wait for the async EPLB thread to finish its layers."""
+        th, self.async_thread = self.async_thread, None
+        if th is not None and th.alive:
+            self.kernel.wait(th.done, "draining async EPLB")
+
+    def _move(self, old: Placement, new: Placement, mapping, paced: bool) -> None:
+        # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
+        # (before commit), the new one for a scale-up (after commit), so the group rank is the move's rank.
+        comm, rank = self.comm, self.group.rank()
+        for layer in range(old.num_layers):
+            if paced:
+                self.kernel.sleep(self.cluster.scenario.serving.step_time_s, "async EPLB: one layer per step")
+            old_idx, _ = self.cluster.indices(old, new, layer, mapping)
+            plan = self.cluster.plan(old, new, layer, mapping)[rank]
+            comm.set_transfer_context(old_idx, layer)
+            move.stage_local_copies(self.weights[layer], self.buffer, plan)
+            for dst_rank, logical in plan.sends:
+                row = plan.send_row(logical)
+                comm.add_send([w[row] for w in self.weights[layer]], dst_rank, logical)
+            for dst_row, src_rank, logical in plan.recvs:
+                comm.add_recv([b[dst_row] for b in self.buffer], src_rank, logical)
+            comm.execute()
+            move.move_from_buffer(self.weights[layer], self.buffer, plan)
+        space = move.rank_space(old, new, mapping)
+        new_rank = space.to_new[rank]
+        self.placement = new if new_rank >= 0 else None
+        if new_rank >= 0:
+            problems = check_weights(self.weights, new, new_rank)
+            self.cluster.oracles.weights_checked(self.pid, problems)
+        self.history("eplb.rearranged", moved_layers=old.num_layers)
+
+    def do_prepare(self, group, group_rank: int, prepare_s: float) -> Any:
+        """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one."""
+        if self.aborted is not None:
+            aborted, self.aborted = self.aborted, None
+            self.cluster.gc.drop(self.pid, aborted, "aborted communicator")
+            del aborted
+        done = self.kernel.env.event()
+        self.prepare_thread = self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, group_rank,
+                                                prepare_s, done, pid=self.pid, daemon=True)
+        return done
+
+    def _prepare(self, group, group_rank: int, prepare_s: float, done) -> None:
+        self.kernel.sleep(prepare_s, "building standby groups")
+        comm = self.factory(group, self.weights, self.buffer, self.comm)
+        self.prepared = (comm, group, group_rank)
+        del comm
+        self.history("comm.create", gen=group.group_name, prev=True)
+        done.succeed()
+
+    def do_commit(self) -> None:
+        """COMMIT: drain, collect (vLLM's switch_and_prepare calls gc.collect()), swap; the old communicator is
+        dropped here and lives on only as long as something else holds it."""
+        self.join_async()
+        self.cluster.gc.collect(f"commit@{self.pid}")
+        comm, group, rank = self.prepared
+        self.prepared = None
+        old, self.comm = self.comm, comm
+        self.group, self.group_rank = group, rank
+        del comm
+        self.history("comm.swap", gen=group.group_name)
+        self.cluster.gc.drop(self.pid, old, "old communicator")
+        del old
+
+    def do_abort(self) -> None:
+        self.join_async()
+        if self.prepared is not None:
+            self.aborted = self.prepared[0]
+            self.prepared = None
+        self.history("comm.abort")
+
+    def do_exit(self) -> None:
+        """Leave: the process ends.  Nothing in vLLM releases EPLB explicitly; references just go away."""
+        self.join_async()
+        for name in ("prepared", "aborted"):
+            value = getattr(self, name)
+            setattr(self, name, None)
+            if value is not None:
+                obj = value[0] if isinstance(value, tuple) else value
+                del value
+                self.cluster.gc.drop(self.pid, obj, name)
+                del obj
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            self.cluster.gc.drop(self.pid, comm, "communicator at exit")
+        del comm
+        self.alive = False
+        self.history("worker.exit")
