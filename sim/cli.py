@@ -62,6 +62,67 @@ def conform(
         raise typer.Exit(1)
 
 
+@app.command()
+def run(
+    scenario: str = typer.Argument(..., help="a built-in scenario name or a YAML path"),
+    seed: Optional[int] = typer.Option(None, help="root seed (default: the scenario's)"),
+    strategy: Optional[str] = typer.Option(None, help="built-in strategy name or package.module:factory"),
+    profile: Optional[str] = typer.Option(None, help="fake NIXL profile: dram, cuda, rdma, rocm-strict"),
+    fault: list[str] = typer.Option([], "--fault", help="SITE[:k=v,...], repeatable; see `epsim faults`"),
+    out: Optional[str] = typer.Option(None, help="write history.jsonl and trace.perfetto.json here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    check_determinism: bool = typer.Option(False, "--check-determinism",
+                                           help="run again in a fresh process (other PYTHONHASHSEED); compare"),
+) -> None:
+    """Simulate SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
+    from . import runner
+
+    result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
+                                       out=out, check_determinism=check_determinism)
+    payload = result.to_dict()
+    if again is not None:
+        payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}
+    if as_json:
+        typer.echo(json.dumps(payload))
+    else:
+        typer.echo(runner.summary(result, again))
+    if result.verdict != "pass" or (again is not None and again != result.trace_hash):
+        raise typer.Exit(1)
+
+
+@app.command()
+def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """List the built-in scenarios."""
+    from . import scenario as sc
+
+    rows = []
+    for name in sc.builtin_names():
+        s = sc.load(name)
+        rows.append({"name": name, "ranks": s.ep_sizes(), "steps": s.steps, "layers": s.model.layers,
+                     "experts": s.model.experts, "description": " ".join(s.description.split())})
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        sizes = "->".join(str(x) for x in r["ranks"])
+        typer.echo(f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
+                   f"{r['steps']:6} steps  {r['description'][:70]}")
+
+
+@app.command()
+def faults(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """List every fault site with its parameters."""
+    from . import faults as catalogue
+
+    rows = [{"site": site, "description": desc, "params": sorted(catalogue.params_of(site))}
+            for site, desc in catalogue.SITES.items()]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(f"{r['site']:22} {r['description']}  [{', '.join(r['params'])}]")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:

@@ -121,21 +121,25 @@ class Cluster:
         w.start()
         return w
 
-    def _join(self, events: list, what: str) -> bool:
+    def _join(self, pending: dict[int, Any], what: str) -> bool:
+        """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise."""
         limit = self.scenario.collective_timeout_s * 2 + 60
-        ok, _ = self.kernel.wait_for(self.kernel.env.all_of(events), limit, what)
+        ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
         if not ok:
-            waiting = [w for w in self.workers.values() if w.main_thread and w.main_thread.state != "done"]
-            desc = "; ".join(f"pid {w.pid} {w.main_thread.state}"
-                             + (f" on {w.main_thread.blocked_on}" if w.main_thread.blocked_on else "")
-                             for w in waiting)
+            late = [p for p, ev in pending.items() if not ev.triggered]
+            desc = "; ".join(self._describe(p) for p in late)
             self.oracles.stuck(f"{what} did not finish within {limit:g} s: {desc}")
             self.kernel.halt()
         return ok
 
+    def _describe(self, pid: int) -> str:
+        threads = [t for t in self.kernel.threads if t.pid == pid and t.state != "done"]
+        return f"pid {pid}: " + ", ".join(f"{t.name} {t.state}" + (f" on {t.blocked_on}" if t.blocked_on else "")
+                                         for t in threads)
+
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
-        return self._join([self.workers[p].post(Command(kind, dict(args))) for p in pids], f"{kind} on {pids}")
+        return self._join({p: self.workers[p].post(Command(kind, dict(args))) for p in pids}, f"{kind} on {pids}")
 
     # -- the engine -----------------------------------------------------------------------------------------------
     def engine(self) -> None:
@@ -186,8 +190,8 @@ class Cluster:
             loads = {p: np.stack([self._routing.multinomial(draws, probs[layer]) for layer in range(sc.model.layers)])
                      for p in self.members}
             self.kernel.history.record("engine.serve", step=self.step, steps=chunk)
-            if not self._join([self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[p]}))
-                               for p in self.members], f"serving steps {self.step}..{self.step + chunk}"):
+            if not self._join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[p]}))
+                               for p in self.members}, f"serving steps {self.step}..{self.step + chunk}"):
                 return False
             self.step += chunk
             steps -= chunk
@@ -240,15 +244,15 @@ class Cluster:
         rdv = self.new_group(new_members)
         groups = rdv.groups()
         fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
-        joined = [self.workers[p].post(Command("start")) for p in (w.pid for w in fresh)]
-        prepared = [self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
-                                                             "group_rank": new_members.index(p),
-                                                             "prepare_s": event.prepare_s}))
-                    for p in old_members if p in new_members]
-        if not self._join(joined + prepared, "PREPARE"):
+        joined = {w.pid: w.post(Command("start")) for w in fresh}
+        prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
+                                                                "group_rank": new_members.index(p),
+                                                                "prepare_s": event.prepare_s}))
+                    for p in old_members if p in new_members}
+        if not self._join({**joined, **prepared}, "PREPARE"):
             return False
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator.
-        done = [ev.value for ev in prepared]
+        done = [ev.value for ev in prepared.values()]
         while not all(ev.triggered for ev in done):
             ok, _ = self.kernel.wait_for(self.kernel.env.all_of(done), self.scenario.serving.step_time_s * 100,
                                          "PREPARE")

@@ -135,6 +135,8 @@ class Kernel:
             th.state = "blocked"
             try:
                 value, error = (yield request), None
+            except GeneratorExit:  # the world is being torn down (its processes collected): not the thread's fault
+                raise
             except BaseException as exc:  # noqa: BLE001 - delivered into the thread
                 value, error = None, exc
             if th.state == "killed":
