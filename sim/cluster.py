@@ -41,6 +41,7 @@ class NominalTimeModel(TimeModel):
         return self.xfer_latency_s + nbytes * self._scale / self.bandwidth_Bps
 
 
+PREPARE_POLL_STEPS = 10  # serving goes on in chunks of this many steps while PREPARE runs in the background
 _HISTORY_FIELDS = ("agent", "pid", "peer", "op", "nbytes", "why", "sections")
 
 
@@ -254,9 +255,7 @@ class Cluster:
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator.
         done = [ev.value for ev in prepared.values()]
         while not all(ev.triggered for ev in done):
-            ok, _ = self.kernel.wait_for(self.kernel.env.all_of(done), self.scenario.serving.step_time_s * 100,
-                                         "PREPARE")
-            if not ok and not self.serve(100):
+            if not self.serve(PREPARE_POLL_STEPS):
                 return False
         if event.kind == "abort":
             if not self._all("abort", [p for p in old_members if p in new_members]):

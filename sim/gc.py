@@ -57,13 +57,13 @@ class GcController:
 
     def collect(self, reason: str) -> int:
         """A planned collection (what ``gc.collect()`` at that point in vLLM does)."""
+        # Recorded first: the finalizers this collection runs appear after it in the history.
+        self.kernel.history.record("gc.collect", reason=reason)
         cycles, self._cycles = self._cycles, []
         for cell in cycles:
             cell.clear()  # break our handle on it; the cycle itself is now garbage for the collector
         del cycles
-        found = _gc.collect()
-        self.kernel.history.record("gc.collect", reason=reason, cycles_broken=found > 0)
-        return found
+        return _gc.collect()
 
     def shutdown(self) -> list[tuple[int, str, Any]]:
         """What is left for interpreter shutdown (gc.never); the caller finalizes it with the fakes torn down."""

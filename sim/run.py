@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,10 +50,16 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
     armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
     started = time.perf_counter()
     cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed)
+    # The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
+    # happened, so its log stays quiet.
+    nixl_log = logging.getLogger("epsim.fakes.nixl")
+    saved = nixl_log.propagate, nixl_log.handlers[:]
+    nixl_log.propagate, nixl_log.handlers = False, [logging.NullHandler()]
     try:
         cluster.run()
     finally:
         wall = time.perf_counter() - started
+        nixl_log.propagate, nixl_log.handlers = saved
     verdict, invariant, detail = cluster.oracles.verdict()
     history = cluster.kernel.history
     result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),

@@ -121,7 +121,10 @@ class Placement:
     __slots__ = ("_p2l", "_ep_size", "_num_logical")
 
     def __init__(self, physical_to_logical, ep_size: int, num_logical: int | None = None) -> None:
-        arr = np.array(physical_to_logical, dtype=np.int64, copy=True)
+        raw = np.asarray(physical_to_logical)
+        if raw.dtype.kind not in "iu" and raw.size:
+            raise EplbError(f"physical_to_logical must hold integer logical ids, got dtype {raw.dtype}")
+        arr = np.array(raw, dtype=np.int64, copy=True)
         ep_size = _check_int("ep_size", ep_size, 1)
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
             raise EplbError(f"physical_to_logical must be a non-empty [num_layers, num_physical] array, "

@@ -152,6 +152,7 @@ def run_world(strategy: str, body: Callable[[World, int], None], profile: str = 
         crashes = [(th.name, exc) for th, exc in kernel.crashes]
         kernel.close()
     assert not crashes, crashes
+    assert not kernel.unraisable, kernel.unraisable  # no finalizer raised (every __del__ suppresses its errors)
     return world
 
 
@@ -286,6 +287,33 @@ def test_d_shared_agent_survives_the_same_schedule(profile: str) -> None:
     w = run_world("shared-agent", one_rank_drops_old, profile=profile)
     assert [kind for phase, kind, _ in w.events if phase == "drop"] == []  # dropping the old one touched nothing
     assert {r: w.results[r] for r in range(WORLD)} == {0: "ok", 1: "ok", 2: "ok"}
+
+
+# -- (f) the simplification's premise: "expert weights and expert_buffer keep their storage" ---------------------
+@pytest.mark.parametrize("strategy, profile, outcome", [
+    ("per-communicator-agent", "dram", "ok"),
+    ("arena-registry", "dram", "ok"),  # the new range is not covered: a second arena agent registers everything
+    ("shared-agent", "dram", "nixlNotFoundError"),  # the new buffer was never registered: the first READ fails
+    ("arena-registry", "rocm-strict", "nixlBackendError"),  # ...and that second agent re-registers the weights
+])
+def test_f_a_reallocated_expert_buffer(strategy: str, profile: str, outcome: str) -> None:
+    """vLLM main@06-21's switch_and_prepare reallocated ``expert_buffer``; newer code reuses it.  Only the
+    strategies that register at every creation survive a reallocation."""
+    def body(w: World, rank: int) -> None:
+        weights, buffer = make_weights(rank, P0)
+        old = w.factories[rank](w.groups[0][rank], weights, buffer)
+        move(old, rank, weights, buffer, P0, P1)
+        buffer = [torch.full((LOCAL, HIDDEN), -7.0) for _ in range(TENSORS)]
+        try:
+            new = w.factories[rank](w.groups[1][rank], weights, buffer, prev_communicator=old)
+            del old
+            move(new, rank, weights, buffer, P1, P2)
+            w.results[rank] = "ok" if not wrong_rows(rank, weights, P2) else "wrong"
+        except Exception as exc:  # noqa: BLE001 - the outcome is the finding
+            w.results[rank] = type(exc).__name__
+
+    w = run_world(strategy, body, profile=profile)
+    assert w.results == {0: outcome, 1: outcome, 2: outcome}
 
 
 # -- (e) plugins ------------------------------------------------------------------------------------------------

@@ -117,6 +117,8 @@ def test_placement_value_semantics() -> None:
     ([[0, 1, 2, 4]], 2, 4, "outside 0..3"),
     ([[0, -1, 2, 3]], 2, None, "outside"),
     ([[0, 1, 2, 3]], 0, None, "ep_size"),
+    ([[0.0, 1.5, 2.0, 3.0]], 2, None, "integer logical ids"),
+    ([[]], 1, None, "non-empty"),
 ])
 def test_placement_rejects_bad_maps(p2l, ep_size, num_logical, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import os
 import sys
 from typing import Callable
 
@@ -34,6 +35,8 @@ def load(name: str, fresh: bool = True) -> Callable:
     """The factory of strategy ``name``.  With ``fresh``, from a new instance of its module, so that module-level
     state (a process-wide registry) belongs to one simulated process only."""
     module_name, _, factory_name = resolve(name).partition(":")
+    if name not in BUILTIN and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # a user's module in the working directory, as `python -m` would find it
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
