@@ -21,6 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from fakes.nixl._spans import SpanIndex
+
 
 @dataclass
 class Problem:
@@ -30,15 +32,11 @@ class Problem:
     index: int  # position in the history
 
 
-def _covered(ranges: list[tuple[int, int]], lo: int, n: int) -> bool:
-    return any(a <= lo and lo + n <= a + m for a, m in ranges)
-
-
 class Oracles:
     def __init__(self, cluster) -> None:
         self.cluster = cluster
         self.history = cluster.kernel.history
-        self.live: dict[str, list[tuple[int, int]]] = {}  # agent conn -> live registered ranges
+        self.live: dict[str, SpanIndex] = {}  # agent conn -> live registered ranges
         self.agent_pid: dict[str, int] = {}
         self.agent_name: dict[str, str] = {}
         self.destroyed: set[str] = set()
@@ -56,7 +54,7 @@ class Oracles:
     def on_fabric(self, kind: str, f: dict[str, Any]) -> None:
         conn = f.get("conn")
         if kind == "agent.create":
-            self.live[conn] = []
+            self.live[conn] = SpanIndex()
             self.agent_pid[conn], self.agent_name[conn] = f["pid"], f["agent"]
             self.metrics["agents_created"] += 1
             per_pid = sum(1 for c in self.live if self.agent_pid[c] == f["pid"])
@@ -67,13 +65,15 @@ class Oracles:
             self.destroyed.add(conn)
         elif kind == "register":
             self._note_duplicates(conn, f["pid"], f["ranges"])
-            self.live.setdefault(conn, []).extend(f["ranges"])
+            index = self.live.setdefault(conn, SpanIndex())
+            for lo, n in f["ranges"]:
+                index.add(0, lo, n, (lo, n))
             self.metrics["registrations"] += len(f["ranges"])
         elif kind == "deregister":
-            ranges = self.live.get(conn, [])
+            index = self.live.get(conn)
             for r in f["ranges"]:
-                if r in ranges:
-                    ranges.remove(r)
+                if index is not None:
+                    index.remove(tuple(r))
         elif kind == "peer.load":
             self.peers[conn][f["peer"]] = f["peer_conn"]
         elif kind == "peer.remove":
@@ -86,7 +86,7 @@ class Oracles:
             if self.agent_pid.get(other) != pid:
                 continue
             for lo, n in ranges:
-                if any(lo < a + m and a < lo + n for a, m in held):
+                if any(lo < a + m and a < lo + n for a, m in held.payloads()):
                     self.metrics["duplicate_registrations"] += 1
                     self.history.record("oracle.duplicate_registration", pid=pid, agent=self.agent_name[conn],
                                         other=self.agent_name.get(other, "?"), same_agent=other == conn)
@@ -98,7 +98,8 @@ class Oracles:
         src, dst = (f["target"], f["conn"]) if f["op"] == "READ" else (f["conn"], f["target"])
         for (lo, n), side, conn in [(r, "local", f["conn"]) for r in f["local"]] + \
                                    [(r, "remote", f["target"]) for r in f["remote"]]:
-            if not _covered(self.live.get(conn, []), lo, n):
+            index = self.live.get(conn)
+            if index is None or index.find(0, lo, n) is None:
                 who = self.agent_name.get(conn, conn)
                 state = "destroyed" if conn in self.destroyed else "live"
                 self._problem("safety", "unregistered_access",

@@ -101,6 +101,7 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         self.destroyed = True
         self.fabric.conns.pop(self.conn, None)
         self.regions.clear()
+        self.region_index.clear()
         self.peers.clear()
         self.fabric.emit("agent.destroy", agent=self.name, pid=self.pid, conn=self.conn)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import _status as S
 from ._faults import STATUS_BY_NAME
+from ._spans import SpanIndex
 from ._dlist import nixlRegDList, nixlXferDList
 
 MD_TAG = b"nixlSerDes|"
@@ -64,7 +65,8 @@ def _check_dlist(descs: object, cls: type, call: str) -> None:
 
 class MemoryMixin:
     def _init_memory(self) -> None:
-        self.regions: list[Region] = []
+        self.regions: list[Region] = []  # in registration order: what metadata and deregistration see
+        self.region_index = SpanIndex()  # the same regions, for coverage lookups
         # Regions that a failed batch deregistration took out of the agent's loopback view only.  Real 1.5.1:
         # after deregister_memory([known, unknown]) raises NOT_FOUND, `known` is still registered, still in the
         # metadata and still usable as a local descriptor, but a loopback request naming it remotely is NOT_FOUND
@@ -96,6 +98,8 @@ class MemoryMixin:
         if profile.exclusive_pages:
             self._refuse_shared_pages(new)
         self.regions.extend(new)  # all or nothing: nothing above added anything
+        for r in new:
+            self.region_index.add((r.mem, r.dev), r.addr, r.length, r)
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in new]
         self.fabric.emit("register", agent=self.name, pid=self.pid, conn=self.conn,
                          ranges=[(r.addr, r.length) for r in new])
@@ -131,6 +135,8 @@ class MemoryMixin:
                                     "NIXL_ERR_NOT_FOUND")
         self.regions = remaining
         removed = matched
+        for r in removed:
+            self.region_index.remove(r)
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in removed]
         self.fabric.emit("deregister", agent=self.name, pid=self.pid, conn=self.conn,
                          ranges=[(r.addr, r.length) for r in removed])
@@ -152,16 +158,10 @@ class MemoryMixin:
         return encode_md(self.name, self.conn if inc_conn_info else None, picked)
 
     def _local_region(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
-        for r in self.regions:
-            if r.covers(mem, addr, length, dev):
-                return r
-        return None
+        return self.region_index.find((mem, dev), addr, length)
 
     def _loopback_region(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
-        for r in self.regions:
-            if r.covers(mem, addr, length, dev) and r not in self.loopback_hidden:
-                return r
-        return None
+        return self.region_index.find((mem, dev), addr, length, skip=self.loopback_hidden or None)
 
     def _xfer_triples(self, descs: nixlXferDList, call: str) -> list[tuple[int, int, int]]:
         _check_dlist(descs, nixlXferDList, call)

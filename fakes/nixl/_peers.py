@@ -13,22 +13,29 @@ from typing import Any
 
 from . import _status as S
 from ._memory import Region, decode_md
+from ._spans import SpanIndex
 
 
 @dataclass
 class Peer:
     name: str
     conn: str | None
-    sections: list[Region] = field(default_factory=list)
+    sections: dict[tuple[int, int, int, int], Region] = field(default_factory=dict)  # (mem, addr, len, dev)
+    index: SpanIndex = field(default_factory=SpanIndex)
     generation: int = 0
     failed: bool = False  # the endpoint failed: every later operation towards it raises RemoteDisconnect
     wired: bool = False  # a transfer towards it has completed: the endpoint is connected
 
     def covers(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
-        for r in self.sections:
-            if r.covers(mem, addr, length, dev):
-                return r
-        return None
+        return self.index.find((mem, dev), addr, length)
+
+    def merge(self, s: Region) -> None:
+        key = (s.mem, s.addr, s.length, s.dev)
+        old = self.sections.get(key)
+        if old is not None:
+            self.index.remove(old)
+        self.sections[key] = s
+        self.index.add((s.mem, s.dev), s.addr, s.length, s)
 
 
 class PeersMixin:
@@ -53,17 +60,16 @@ class PeersMixin:
             adding = True
         else:
             adding = False
-        merged = list(peer.sections)
-        for s in sections:
-            same = [r for r in merged if (r.mem, r.addr, r.length, r.dev) == (s.mem, s.addr, s.length, s.dev)]
-            if same and same[0].key != s.key:
-                if self.fabric.profile.refuse_changed_keys:
+        if self.fabric.profile.refuse_changed_keys:
+            for s in sections:
+                known = peer.sections.get((s.mem, s.addr, s.length, s.dev))
+                if known is not None and known.key != s.key:
                     S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' sent a new key for a known "
                                           "descriptor; metadata updates are not allowed")
-                merged[merged.index(same[0])] = s
-            elif not same:
-                merged.append(s)
-        peer.sections = merged
+        for s in sections:  # merged, never removed (an unchanged section is re-added as itself)
+            known = peer.sections.get((s.mem, s.addr, s.length, s.dev))
+            if known is None or known.key != s.key:
+                peer.merge(s)
         if peer.conn is None:
             peer.conn = conn
         if adding:

@@ -216,14 +216,14 @@ class XferMixin:
                 if profile.released_handle_use == "crash":
                     raise S.SimulatedCrash("SIGSEGV", "transfer into local memory that was unmapped")
                 return S.BACKEND, "local memory was unmapped"
-            live_remote = rreg in target.regions
+            live_remote = rreg in target.region_index
             if profile.detect_recycled and not live_remote and any(
                     r.addr == rreg.addr and r.length != rreg.length for r in target.regions):
                 return S.NOT_FOUND, "remote address was recycled with a different extent"
             if profile.unregistered_access == "fail":
                 if not live_remote:
                     return S.REMOTE_DISCONNECT, "remote key no longer valid (deregistered): endpoint failed"
-                if lreg not in self.regions:
+                if lreg not in self.region_index:
                     return S.BACKEND, "local key no longer valid (deregistered)"
         return None
 

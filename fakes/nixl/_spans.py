@@ -1,0 +1,84 @@
+"""An index of byte ranges for "which registered range covers this descriptor?".
+
+EPLB registers hundreds of ranges per agent and looks one up for every descriptor of every transfer, so a linear
+scan is the simulator's hot spot.  Ranges are grouped by a key (memory type, device), sorted by start, with a
+running maximum of their ends: a query bisects to the last range starting at or before it and walks back only while
+an earlier range could still reach the query's end.  Overlapping ranges (legal in NIXL) are handled; the index is
+rebuilt lazily after a change, since lookups far outnumber registrations.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from typing import Any, Hashable, Iterable
+
+
+class SpanIndex:
+    def __init__(self) -> None:
+        self._items: list[tuple[Hashable, int, int, Any]] = []  # (key, start, end, payload)
+        self._count: Counter = Counter()
+        self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
+
+    def add(self, key: Hashable, start: int, length: int, payload: Any) -> None:
+        self._items.append((key, start, start + length, payload))
+        self._count[payload] += 1
+        self._groups = None
+
+    def remove(self, payload: Any) -> bool:
+        """Remove one entry whose payload equals ``payload``; False if there is none."""
+        for i, item in enumerate(self._items):
+            if item[3] == payload:
+                del self._items[i]
+                self._count[payload] -= 1
+                if not self._count[payload]:
+                    del self._count[payload]
+                self._groups = None
+                return True
+        return False
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._count.clear()
+        self._groups = None
+
+    def __contains__(self, payload: Any) -> bool:
+        return payload in self._count
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def payloads(self) -> Iterable[Any]:
+        return (item[3] for item in self._items)
+
+    def _build(self) -> dict:
+        groups: dict[Hashable, list[tuple[int, int, Any]]] = {}
+        for key, start, end, payload in self._items:
+            groups.setdefault(key, []).append((start, end, payload))
+        built = {}
+        for key, entries in groups.items():
+            entries.sort(key=lambda e: (e[0], e[1]))
+            prefix, best = [], -1
+            for _, end, _ in entries:
+                best = max(best, end)
+                prefix.append(best)
+            built[key] = ([e[0] for e in entries], entries, prefix)
+        self._groups = built
+        return built
+
+    def find(self, key: Hashable, start: int, length: int, skip=None) -> Any:
+        """A payload whose range covers [start, start+length) under ``key`` (None if none; ``skip``: payloads to
+        pass over)."""
+        groups = self._groups if self._groups is not None else self._build()
+        group = groups.get(key)
+        if group is None:
+            return None
+        starts, entries, prefix = group
+        end = start + length
+        i = bisect_right(starts, start) - 1
+        while i >= 0 and prefix[i] >= end:
+            s, e, payload = entries[i]
+            if e >= end and (skip is None or payload not in skip):
+                return payload
+            i -= 1
+        return None
