@@ -57,18 +57,22 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
     nixl_log.propagate, nixl_log.handlers = False, [logging.NullHandler()]
     try:
         cluster.run()
-    finally:
         wall = time.perf_counter() - started
+        result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
+        if out is not None:
+            out = Path(out)
+            out.mkdir(parents=True, exist_ok=True)
+            cluster.kernel.history.write_jsonl(out / "history.jsonl")
+            cluster.kernel.history.write_perfetto(out / "trace.perfetto.json")
+        cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
+    finally:
         nixl_log.propagate, nixl_log.handlers = saved
+    return result
+
+
+def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     verdict, invariant, detail = cluster.oracles.verdict()
     history = cluster.kernel.history
-    result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
-                    len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
-                    cluster.faults.fired(), dict(cluster.oracles.metrics))
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        history.write_jsonl(out / "history.jsonl")
-        history.write_perfetto(out / "trace.perfetto.json")
-    cluster.kernel.close()
-    return result
+    return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
+                  len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
+                  cluster.faults.fired(), dict(cluster.oracles.metrics))

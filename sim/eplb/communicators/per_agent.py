@@ -152,22 +152,26 @@ class PerAgentNixlCommunicator(EplbCommunicator):
             return
         agent = self.nixl_wrapper
         remote_name = self._remote_agents[src_rank]
+        # One READ per received expert: a descriptor per weight tensor of the layer, all in one request.
+        remote_descs = []
         for t, dst in enumerate(tensors):
             base, stride, dev = self._remote_send_meta[src_rank][(layer, t)]
             assert dst.is_contiguous() and dst.numel() * dst.element_size() == stride, (
                 f"recv tensor {t} has {dst.numel() * dst.element_size()} bytes, one expert has {stride}")
-            local = agent.get_xfer_descs([dst], self._mem)
-            remote = agent.get_xfer_descs([(base + row * stride, stride, dev)], self._mem)
-            local_h = agent.prep_xfer_dlist(INIT_AGENT, local, self._mem)
-            self._made_dlists.append(local_h)
-            remote_h = agent.prep_xfer_dlist(remote_name, remote, self._mem)
-            self._made_dlists.append(remote_h)
-            xfer = agent.make_prepped_xfer("READ", local_h, [0], remote_h, [0])
-            self._made_xfers.append(xfer)
-            state = agent.transfer(xfer)
-            if state not in ("PROC", "DONE"):
-                raise RuntimeError(f"READ of expert {expert_id} from rank {src_rank}: transfer state {state}")
-            self._xfer_handles.append(xfer)
+            remote_descs.append((base + row * stride, stride, dev))
+        local = agent.get_xfer_descs(list(tensors), self._mem)
+        remote = agent.get_xfer_descs(remote_descs, self._mem)
+        local_h = agent.prep_xfer_dlist(INIT_AGENT, local, self._mem)
+        self._made_dlists.append(local_h)
+        remote_h = agent.prep_xfer_dlist(remote_name, remote, self._mem)
+        self._made_dlists.append(remote_h)
+        indices = list(range(len(remote_descs)))
+        xfer = agent.make_prepped_xfer("READ", local_h, indices, remote_h, indices)
+        self._made_xfers.append(xfer)
+        state = agent.transfer(xfer)
+        if state not in ("PROC", "DONE"):
+            raise RuntimeError(f"READ of expert {expert_id} from rank {src_rank}: transfer state {state}")
+        self._xfer_handles.append(xfer)
 
     def execute(self) -> None:
         agent = self.nixl_wrapper
