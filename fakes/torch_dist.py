@@ -2,9 +2,10 @@
 
 Each simulated rank holds its own :class:`FakeProcessGroup` (as each real process holds its own ProcessGroup); the
 members of one group share a :class:`Rendezvous`.  Collectives match by sequence number: the k-th collective a rank
-issues on a group meets the k-th of every other member.  Objects cross "processes" by pickling, so no simulated rank
-ever aliases another's objects.  A collective that some member never reaches raises :class:`CollectiveTimeout`
-after the group's timeout (vLLM's EPLB barrier waits 5 minutes), naming the missing ranks.
+issues on a group meets the k-th of every other member.  Objects cross "processes" as copies (tensors cloned,
+anything else pickled), so no simulated rank ever aliases another's objects.  A collective that some member never
+reaches raises :class:`CollectiveTimeout` once the group's timeout has passed since its first member arrived (vLLM's
+EPLB barrier waits 5 minutes), naming the missing ranks.
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
 ``group`` argument is a fake group, and to the real functions otherwise, so code written against
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -39,6 +41,17 @@ class _Op:
     seq: int
     args: dict[int, Any] = field(default_factory=dict)  # group rank -> contribution
     done: Any = None  # simpy event, value = result per rank
+    deadline: Any = None  # simpy timeout from the first arrival: one watchdog per collective, not per waiter
+
+
+def _copy(value: Any) -> Any:
+    """What crosses from one simulated process to another: a copy, never the object itself."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return pickle.loads(pickle.dumps(value))
 
 
 class Rendezvous:
@@ -60,18 +73,22 @@ class Rendezvous:
         self._next_seq[rank] += 1
         op = self._ops.get(seq)
         if op is None:
-            op = self._ops[seq] = _Op(kind, seq, done=self.kernel.env.event())
+            env = self.kernel.env
+            op = self._ops[seq] = _Op(kind, seq, done=env.event(), deadline=env.timeout(self.timeout_s))
         elif op.kind != kind:
             raise CollectiveMismatch(f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, "
                                      f"others {op.kind}")
-        op.args[rank] = pickle.loads(pickle.dumps(contribution))
+        op.args[rank] = _copy(contribution)
         self.kernel.history.record("collective.arrive", group=self.name, op=kind, seq=seq,
                                    pid=self.pids[rank], rank=rank)
         if len(op.args) == len(self.pids):
             results = combine([op.args[r] for r in range(len(self.pids))])
             del self._ops[seq]
             op.done.succeed(results)
-        ok, results = self.kernel.wait_for(op.done, self.timeout_s, f"{kind} #{seq} on group {self.name}")
+        if not op.done.triggered:
+            self.kernel.wait(self.kernel.env.any_of([op.done, op.deadline]), f"{kind} #{seq} on group {self.name}")
+        ok = op.done.triggered
+        results = op.done.value if ok else None
         if not ok:
             missing = [r for r in range(len(self.pids)) if r not in op.args]
             self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
@@ -79,7 +96,7 @@ class Rendezvous:
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
-        return pickle.loads(pickle.dumps(results[rank]))
+        return _copy(results[rank])
 
 
 class FakeProcessGroup:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import multiprocessing as mp
-import os
 import time
 from typing import Any
 

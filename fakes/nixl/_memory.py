@@ -8,6 +8,7 @@ deregistered and registered again.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -47,14 +48,23 @@ def encode_md(name: str, conn: str | None, regions: list[Region]) -> bytes:
     return MD_TAG + json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode_md(blob: bytes) -> tuple[str, str | None, list[Region]]:
+def decode_md(blob: bytes) -> tuple[str, str | None, tuple[Region, ...]]:
     if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MD_TAG):
         S.fail(S.MISMATCH, "loadRemoteMD: failed to deserialize remote metadata")
-    try:
-        body = json.loads(bytes(blob)[len(MD_TAG):])
-        return body["name"], body["conn"], [Region(*s) for s in body["sections"]]
-    except (ValueError, KeyError, TypeError):
+    decoded = _decode(bytes(blob))
+    if decoded is None:
         S.fail(S.MISMATCH, "loadRemoteMD: failed to deserialize remote metadata")
+    return decoded
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode(blob: bytes) -> tuple[str, str | None, tuple[Region, ...]] | None:
+    # Cached: in an EP group every rank loads every other rank's metadata, i.e. the same bytes N-1 times.
+    try:
+        body = json.loads(blob[len(MD_TAG):])
+        return body["name"], body["conn"], tuple(Region(*s) for s in body["sections"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_dlist(descs: object, cls: type, call: str) -> None:
