@@ -25,15 +25,23 @@ GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "gc.never": ("a dropped communicator lives until interpreter shutdown, when the fake modules are torn down",
                  frozenset()),
 }
+# Faults the harness itself injects into a worker.
+WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
+    "storage.move": ("expert_buffer is reallocated right before PREPARE builds the new communicator (as vLLM "
+                     "main@06-21's switch_and_prepare did), so the new storage was never registered", frozenset()),
+}
 COMMON = frozenset({"rank", "times", "at_step"})
 
 SITES: dict[str, str] = {**{f"nixl.{k}": v for k, v in NIXL_SITES.items()},
-                         **{k: v for k, (v, _) in GC_SITES.items()}}
+                         **{k: v for k, (v, _) in GC_SITES.items()},
+                         **{k: v for k, (v, _) in WORKER_SITES.items()}}
 
 
 def params_of(site: str) -> frozenset[str]:
     if site in GC_SITES:
         return GC_SITES[site][1] | COMMON
+    if site in WORKER_SITES:
+        return WORKER_SITES[site][1] | COMMON
     return NIXL_PARAMS[site.removeprefix("nixl.")] | COMMON
 
 
@@ -109,10 +117,14 @@ class FaultPlan:
             self.history.record("fault.arm", site=a.site)
 
     def take_gc(self, pid: int, what: str) -> Armed | None:
+        return self.take(GC_SITES, pid, what)
+
+    def take(self, sites, pid: int, what: str) -> Armed | None:
+        """The first armed fault among ``sites`` that applies to process ``pid`` now, marked as fired."""
         if self.healing:
             return None
         for a in self.armed:
-            if a.site not in GC_SITES or (a.times is not None and a.fired >= a.times):
+            if a.site not in sites or (a.times is not None and a.fired >= a.times):
                 continue
             if "rank" in a.params and int(a.params["rank"]) != pid:
                 continue
@@ -128,7 +140,7 @@ class FaultPlan:
         self.history.record("fault.heal")
 
     def fired(self) -> dict[str, int]:
-        counts = {str(a): a.fired for a in self.armed if a.site in GC_SITES}
+        counts = {str(a): a.fired for a in self.armed if a.site in GC_SITES or a.site in WORKER_SITES}
         for a, board in self._nixl_live:
             counts[str(a)] = board.fired
         for a in self._nixl_pending:

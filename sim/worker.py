@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
+from .faults import WORKER_SITES
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Worker:
         self.weights = [[torch.full((n, hidden), float("nan")) for _ in range(tensors)]
                         for _ in range(sc.model.layers)]
         self.buffer = [torch.full((n, hidden), float("nan")) for _ in range(tensors)]
+        self.retired_buffers: list[list[torch.Tensor]] = []
         self.placement = placement
         if placement is not None:
             fill_weights(self.weights, placement, group_rank)
@@ -152,6 +154,12 @@ class Worker:
 
     def _prepare(self, group, group_rank: int, prepare_s: float, done) -> None:
         self.kernel.sleep(prepare_s, "building standby groups")
+        if self.cluster.faults.take(WORKER_SITES, self.pid, "expert_buffer") is not None:
+            # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
+            # here by the worker) so nothing reads freed memory.
+            self.retired_buffers.append(self.buffer)
+            self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
+            self.history("storage.move", what="expert_buffer")
         comm = self.factory(group, self.weights, self.buffer, self.comm)
         self.prepared = (comm, group, group_rank)
         del comm

@@ -171,3 +171,19 @@ def test_run_writes_history_and_perfetto_trace(tmp_path) -> None:
 def test_overrides_keep_runs_small() -> None:
     sc = with_overrides(load("steady"), steps=400)
     assert run_scenario(sc, strategy="shared-agent").verdict == "pass"
+
+
+@pytest.mark.parametrize("strategy, profile, verdict, where", [
+    ("per-communicator-agent", "dram", "pass", None),
+    ("arena-registry", "dram", "pass", None),
+    ("shared-agent", "dram", "crash", "worker@"),  # reuses the agent, never registers the new buffer
+    ("shared-agent", "rocm-strict", "crash", "worker@"),
+    ("arena-registry", "rocm-strict", "crash", "elastic-prepare@"),  # coverage fails: a second agent registers
+])
+def test_storage_moved_before_prepare(strategy: str, profile: str, verdict: str, where: str | None) -> None:
+    r = run("scale-up", strategy=strategy, profile=profile, faults=["storage.move"])
+    assert r.verdict == verdict, r.detail
+    if where:
+        assert r.detail.startswith(where), r.detail
+        assert ("nixlNotFoundError" if where == "worker@" else "nixlBackendError") in r.detail
+    assert r.faults_fired["storage.move"] >= 1
