@@ -209,7 +209,10 @@ class Cluster:
         return self._route_probs
 
     def total_load(self, pids: list[int]) -> np.ndarray:
-        return sum(self.workers[p].load.total() for p in pids)
+        total = np.zeros((self.scenario.model.layers, self.scenario.model.experts), dtype=np.int64)
+        for p in pids:
+            total += self.workers[p].load.total()
+        return total
 
     def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None) -> bool:
         """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping)."""
