@@ -32,6 +32,21 @@ class Problem:
     index: int  # position in the history
 
 
+def spans(pids: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3, 7': member lists of 64 ranks stay readable in one line."""
+    out, run = [], []
+    for p in sorted(pids):
+        if run and p == run[-1] + 1:
+            run.append(p)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [p]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
 class Oracles:
     def __init__(self, cluster) -> None:
         self.cluster = cluster
@@ -124,7 +139,7 @@ class Oracles:
                 if peer_pid is not None and peer_pid not in members:
                     self._problem("safety", "stale_peer",
                                   f"agent {self.agent_name[conn]} (pid {pid}) still has {name} of departed pid "
-                                  f"{peer_pid} loaded after the reconfiguration to {members}")
+                                  f"{peer_pid} loaded after the reconfiguration to pids {spans(members)}")
                     return
 
     def after_shutdown(self) -> None:
