@@ -22,6 +22,7 @@ from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
 from fakes.nixl.profiles import PROFILES
 
 CASE_TIMEOUT_S = 180
+UNAVAILABLE = 3  # exit status when the chosen backend cannot be used here (missing library, no GPU)
 # UCX transports for the asynchronous ("tcp") cases.  cuda_copy stays in the list: a CUDA-enabled UCX needs it to
 # classify memory at registration, and without it registering even host memory fails with nixlBackendError
 # (seen on an H200 host); on a CPU-only host UCX ignores it.
@@ -112,6 +113,7 @@ def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str
     """Every case (or ``names``).  Without ``profile``, cases are judged against the profile they match (or, if
     none matches, the default for the memory kind: dram for host memory, cuda for VRAM)."""
     chosen = profile or ("cuda" if memory == "VRAM" else "dram")
+    make_backend(backend, chosen, memory).close()  # an unusable backend is one error, not a failure per case
     results = []
     for name in names or list(CASES):
         results.append(run_case(name, backend, chosen, memory))
@@ -144,9 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown case {unknown[0]!r}; run with --json to list them", file=sys.stderr)
         return 2
+    from .nixl_real import NixlUnavailable
+
     try:
         report = run_catalogue(args.backend, args.profile, memory, args.case,
                                progress=None if args.json else _print_line)
+    except NixlUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return UNAVAILABLE
     except Exception as exc:  # noqa: BLE001
         print(f"error: {exc}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)

@@ -13,6 +13,8 @@ from typing import Any
 
 from fakes.nixl.profiles import PROFILES
 
+from real_backends.probe import UNAVAILABLE
+
 from .errors import BackendUnavailable, UnknownName
 
 BACKENDS = ("fake", "real")
@@ -33,21 +35,11 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800)
     cmd = [sys.executable, "-m", "real_backends.probe", "--backend", backend, "--memory", memory, "--json"]
     if profile:
         cmd += ["--profile", profile]
-    if backend == "real":
-        _check_real_available(memory)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        if done.returncode == UNAVAILABLE:
+            raise BackendUnavailable(tail.removeprefix("error: "))
         raise BackendUnavailable(f"the conformance run on {backend} NIXL produced no result: {tail}")
     return json.loads(lines[-1])
-
-
-def _check_real_available(memory: str) -> None:
-    probe = ("from real_backends.nixl_real import RealBackend as R, NixlUnavailable as U\n"
-             "import sys\n"
-             f"try: R(memory={memory.upper()!r})\n"
-             "except U as e: print(e); sys.exit(3)\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    if done.returncode == 3:
-        raise BackendUnavailable(done.stdout.strip().splitlines()[-1])

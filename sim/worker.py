@@ -75,7 +75,6 @@ class Worker:
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
-        self.prepare_thread = None
         self.main_thread = None
         self.alive = True
 
@@ -173,8 +172,8 @@ class Worker:
             self.cluster.gc.drop(self.pid, aborted, "aborted communicator")
             del aborted
         done = self.kernel.env.event()
-        self.prepare_thread = self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, group_rank,
-                                                prepare_s, done, pid=self.pid, daemon=True)
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, group_rank, prepare_s, done,
+                          pid=self.pid, daemon=True)
         return done
 
     def _prepare(self, group, group_rank: int, prepare_s: float, done) -> None:

@@ -69,3 +69,13 @@ def test_conform_exit_status(monkeypatch, capsys, outcomes, matched, status) -> 
         cli.main(["conform", "--backend", "real"])
     assert done.value.code == status
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"matched profile: {matched or 'none'}")
+
+
+def test_conform_on_an_unusable_backend_is_one_line_exit_2() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: --memory vram is usable here")
+    done = epsim("conform", "--backend", "real", "--memory", "vram")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["epsim: error: --memory vram needs a CUDA GPU; none is visible"]
