@@ -72,7 +72,6 @@ class Cluster:
         self._routing = np.random.Generator(np.random.PCG64(derive_seed(seed, "routing")))
         self._route_epoch = -1
         self._route_probs: np.ndarray | None = None
-        self.shutdown_errors: list[str] = []
 
     # -- plumbing for the fakes ---------------------------------------------------------------------------------
     def _whoami(self) -> int:
@@ -250,7 +249,6 @@ class Cluster:
         fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
         joined = {w.pid: w.post(Command("start")) for w in fresh}
         prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
-                                                                "group_rank": new_members.index(p),
                                                                 "prepare_s": event.prepare_s}))
                     for p in old_members if p in new_members}
         if not self._join({**joined, **prepared}, "PREPARE"):

@@ -23,7 +23,6 @@ class GcController:
         self.kernel = cluster.kernel
         self._cycles: list[list] = []
         self._immortal: list[tuple[int, str, Any]] = []
-        self.finalized: list[tuple[float, int, str, str]] = []  # (t, pid, what, how)
 
     def drop(self, pid: int, obj: Any, what: str) -> None:
         """``obj`` just lost its owner's reference (the caller deletes its own name right after)."""
@@ -59,10 +58,7 @@ class GcController:
         """A planned collection (what ``gc.collect()`` at that point in vLLM does)."""
         # Recorded first: the finalizers this collection runs appear after it in the history.
         self.kernel.history.record("gc.collect", reason=reason)
-        cycles, self._cycles = self._cycles, []
-        for cell in cycles:
-            cell.clear()  # break our handle on it; the cycle itself is now garbage for the collector
-        del cycles
+        self._cycles = []  # our handle goes: the self-referencing cells are now garbage only the collector frees
         return _gc.collect()
 
     def shutdown(self) -> list[tuple[int, str, Any]]:

@@ -67,9 +67,9 @@ class Worker:
         self.placement = placement
         if placement is not None:
             fill_weights(self.weights, placement, group_rank)
-        self.group, self.group_rank = group, group_rank
+        self.group = group  # the group's rank() is this worker's rank: nothing else keeps it
         self.comm = None
-        self.prepared: tuple[Any, Any, int] | None = None  # (communicator, group, group rank)
+        self.prepared: tuple[Any, Any] | None = None  # (communicator, group)
         self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
         self.load = StepWindow(max(1, sc.eplb.window))
         self.inbox = cluster.kernel.env.event()
@@ -165,18 +165,18 @@ class Worker:
             self.cluster.oracles.weights_checked(self.pid, problems)
         self.history("eplb.rearranged", moved_layers=old.num_layers)
 
-    def do_prepare(self, group, group_rank: int, prepare_s: float) -> Any:
+    def do_prepare(self, group, prepare_s: float) -> Any:
         """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one."""
         if self.aborted is not None:
             aborted, self.aborted = self.aborted, None
             self.cluster.gc.drop(self.pid, aborted, "aborted communicator")
             del aborted
         done = self.kernel.env.event()
-        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, group_rank, prepare_s, done,
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done,
                           pid=self.pid, daemon=True)
         return done
 
-    def _prepare(self, group, group_rank: int, prepare_s: float, done) -> None:
+    def _prepare(self, group, prepare_s: float, done) -> None:
         self.kernel.sleep(prepare_s, "building standby groups")
         if self.cluster.faults.take(WORKER_SITES, self.pid, "expert_buffer") is not None:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
@@ -185,7 +185,7 @@ class Worker:
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
             self.history("storage.move", what="expert_buffer")
         comm = self.factory(group, self.weights, self.buffer, self.comm)
-        self.prepared = (comm, group, group_rank)
+        self.prepared = (comm, group)
         del comm
         self.history("comm.create", gen=group.group_name, prev=True)
         done.succeed()
@@ -195,10 +195,10 @@ class Worker:
         dropped here and lives on only as long as something else holds it."""
         self.join_async()
         self.cluster.gc.collect(f"commit@{self.pid}")
-        comm, group, rank = self.prepared
+        comm, group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm
-        self.group, self.group_rank = group, rank
+        self.group = group
         del comm
         self.history("comm.swap", gen=group.group_name)
         self.cluster.gc.drop(self.pid, old, "old communicator")
