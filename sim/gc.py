@@ -6,14 +6,21 @@ calls ``gc.collect()``; the run's end is another).  The GC faults move a finaliz
 another thread, and record where it ran:
 
 - ``gc.late``: the dropped object is kept alive ``delay_s`` longer, then released on a thread of its own process;
-- ``gc.cycle``: it is put in a reference cycle, so only the next planned collection finalizes it;
+- ``gc.cycle``: it is put in a reference cycle, so only its process's next planned collection finalizes it;
 - ``gc.thread``: it is released on another simulated thread of the process (the async-EPLB or prepare thread);
 - ``gc.never``: it survives until interpreter shutdown, when the fake modules are already torn down.
+
+Every simulated process shares the simulator's one Python heap, so a planned collection is modelled per process:
+the cycles the controller made for that process are broken on the collecting thread (their finalizers run there,
+in the order they were dropped), and Python's own collector runs once per simulated instant for cycles that the
+code under test makes itself.  At EP64 all ranks commit at one instant, and a full collection of the simulator's
+heap per rank cost more than the rest of a reconfiguration.
 """
 
 from __future__ import annotations
 
 import gc as _gc
+from collections import defaultdict
 from typing import Any
 
 
@@ -21,8 +28,9 @@ class GcController:
     def __init__(self, cluster) -> None:
         self.cluster = cluster
         self.kernel = cluster.kernel
-        self._cycles: list[list] = []
+        self._cycles: dict[int, list[list]] = defaultdict(list)  # pid -> self-referencing cells, in drop order
         self._immortal: list[tuple[int, str, Any]] = []
+        self._collected_at: float | None = None  # simulated time of the last real gc.collect()
 
     def drop(self, pid: int, obj: Any, what: str) -> None:
         """``obj`` just lost its owner's reference (the caller deletes its own name right after)."""
@@ -39,7 +47,7 @@ class GcController:
         elif fault.site == "gc.cycle":
             cell: list = [obj]
             cell.append(cell)
-            self._cycles.append(cell)
+            self._cycles[pid].append(cell)
         elif fault.site == "gc.thread":
             holder = [obj]
             worker = self.cluster.workers.get(pid)
@@ -54,12 +62,18 @@ class GcController:
         self.kernel.history.record("gc.finalize", pid=pid, what=what, how="released")
         holder.clear()  # the last reference: the finalizer runs on this thread, now
 
-    def collect(self, reason: str) -> int:
-        """A planned collection (what ``gc.collect()`` at that point in vLLM does)."""
+    def collect(self, reason: str, pid: int | None = None) -> None:
+        """A planned collection in process ``pid`` (every process if None): what ``gc.collect()`` there does."""
         # Recorded first: the finalizers this collection runs appear after it in the history.
-        self.kernel.history.record("gc.collect", reason=reason)
-        self._cycles = []  # our handle goes: the self-referencing cells are now garbage only the collector frees
-        return _gc.collect()
+        self.kernel.history.record("gc.collect", pid=pid, reason=reason)
+        pids = list(self._cycles) if pid is None else [pid]
+        for p in pids:
+            for cell in self._cycles.pop(p, ()):
+                cell.clear()  # the cycle is broken: its object's last reference goes, on this thread
+        now = self.kernel.now()
+        if pid is None or self._collected_at != now:
+            self._collected_at = now
+            _gc.collect()
 
     def shutdown(self) -> list[tuple[int, str, Any]]:
         """What is left for interpreter shutdown (gc.never); the caller finalizes it with the fakes torn down."""

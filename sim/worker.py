@@ -194,7 +194,7 @@ class Worker:
         """COMMIT: drain, collect (vLLM's switch_and_prepare calls gc.collect()), swap; the old communicator is
         dropped here and lives on only as long as something else holds it."""
         self.join_async()
-        self.cluster.gc.collect(f"commit@{self.pid}")
+        self.cluster.gc.collect(f"commit@{self.pid}", self.pid)
         comm, group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm

@@ -48,7 +48,53 @@ def encode_md(name: str, conn: str | None, regions: list[Region]) -> bytes:
     return MD_TAG + json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode_md(blob: bytes) -> tuple[str, str | None, tuple[Region, ...]]:
+class SectionTable:
+    """A peer's registrations as a loading agent knows them: (mem, addr, len, dev) -> Region, and a range index.
+
+    Immutable, so that every agent that loads the same metadata shares one table; ``merged`` returns a new one.
+    ``count`` is the number of sections in the metadata it was decoded from.
+    """
+
+    EMPTY: SectionTable
+
+    __slots__ = ("sections", "index", "count")
+
+    def __init__(self, sections: dict[tuple[int, int, int, int], Region], count: int) -> None:
+        self.sections = sections
+        self.count = count
+        self.index = SpanIndex()
+        for r in sections.values():
+            self.index.add((r.mem, r.dev), r.addr, r.length, r)
+
+    @classmethod
+    def of(cls, regions: tuple[Region, ...]) -> SectionTable:
+        sections: dict[tuple[int, int, int, int], Region] = {}
+        for r in regions:  # a later duplicate replaces an earlier one, as a merge does
+            sections[(r.mem, r.addr, r.length, r.dev)] = r
+        return cls(sections, len(regions))
+
+    def __len__(self) -> int:
+        return len(self.sections)
+
+    def rekeys(self, other: SectionTable) -> bool:
+        """Does ``other`` give a known descriptor a new remote key?"""
+        mine = self.sections
+        return any((known := mine.get(k)) is not None and known.key != r.key for k, r in other.sections.items())
+
+    def merged(self, other: SectionTable) -> SectionTable:
+        """This table with ``other``'s sections added or re-keyed; never removes one (NIXL merges metadata)."""
+        if not self.sections:
+            return other
+        mine = self.sections
+        if all((known := mine.get(k)) is not None and known.key == r.key for k, r in other.sections.items()):
+            return self  # the same metadata loaded again: a no-op
+        return SectionTable({**mine, **other.sections}, self.count)
+
+
+SectionTable.EMPTY = SectionTable({}, 0)
+
+
+def decode_md(blob: bytes) -> tuple[str, str | None, SectionTable]:
     if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MD_TAG):
         S.fail(S.MISMATCH, "loadRemoteMD: failed to deserialize remote metadata")
     decoded = _decode(bytes(blob))
@@ -58,11 +104,12 @@ def decode_md(blob: bytes) -> tuple[str, str | None, tuple[Region, ...]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _decode(blob: bytes) -> tuple[str, str | None, tuple[Region, ...]] | None:
-    # Cached: in an EP group every rank loads every other rank's metadata, i.e. the same bytes N-1 times.
+def _decode(blob: bytes) -> tuple[str, str | None, SectionTable] | None:
+    # Cached: in an EP group every rank loads every other rank's metadata, i.e. the same bytes N-1 times, and the
+    # table built from them is shared by every loader.
     try:
         body = json.loads(blob[len(MD_TAG):])
-        return body["name"], body["conn"], tuple(Region(*s) for s in body["sections"])
+        return body["name"], body["conn"], SectionTable.of(tuple(Region(*s) for s in body["sections"]))
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -8,34 +8,27 @@ notification towards it raises ``nixlRemoteDisconnectError``; removing a peer in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import _status as S
-from ._memory import Region, decode_md
-from ._spans import SpanIndex
+from ._memory import SectionTable, decode_md
 
 
 @dataclass
 class Peer:
     name: str
     conn: str | None
-    sections: dict[tuple[int, int, int, int], Region] = field(default_factory=dict)  # (mem, addr, len, dev)
-    index: SpanIndex = field(default_factory=SpanIndex)
+    # What this agent knows of the peer's registrations.  Immutable and shared: in an EP group every rank loads the
+    # same metadata of every other rank, so N agents hold one table per peer instead of N copies (at EP64 that is
+    # the difference between a million section entries and fifteen thousand).  A merge makes a new table.
+    table: SectionTable = SectionTable.EMPTY
     generation: int = 0
     failed: bool = False  # the endpoint failed: every later operation towards it raises RemoteDisconnect
     wired: bool = False  # a transfer towards it has completed: the endpoint is connected
 
-    def covers(self, mem: int, addr: int, length: int, dev: int) -> Region | None:
-        return self.index.find((mem, dev), addr, length)
-
-    def merge(self, s: Region) -> None:
-        key = (s.mem, s.addr, s.length, s.dev)
-        old = self.sections.get(key)
-        if old is not None:
-            self.index.remove(old)
-        self.sections[key] = s
-        self.index.add((s.mem, s.dev), s.addr, s.length, s)
+    def covers(self, mem: int, addr: int, length: int, dev: int):
+        return self.table.index.find((mem, dev), addr, length)
 
 
 class PeersMixin:
@@ -46,7 +39,7 @@ class PeersMixin:
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
         self._enter()
-        name, conn, sections = decode_md(metadata)
+        name, conn, table = decode_md(metadata)
         if name == self.name:
             S.fail(S.INVALID_PARAM, "loadRemoteMD: remote agent name same as local agent, no need to load metadata")
         peer = self.peers.get(name)
@@ -60,22 +53,16 @@ class PeersMixin:
             adding = True
         else:
             adding = False
-        if self.fabric.profile.refuse_changed_keys:
-            for s in sections:
-                known = peer.sections.get((s.mem, s.addr, s.length, s.dev))
-                if known is not None and known.key != s.key:
-                    S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' sent a new key for a known "
-                                          "descriptor; metadata updates are not allowed")
-        for s in sections:  # merged, never removed (an unchanged section is re-added as itself)
-            known = peer.sections.get((s.mem, s.addr, s.length, s.dev))
-            if known is None or known.key != s.key:
-                peer.merge(s)
+        if self.fabric.profile.refuse_changed_keys and peer.table.rekeys(table):
+            S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' sent a new key for a known descriptor; "
+                                  "metadata updates are not allowed")
+        peer.table = peer.table.merged(table)  # merged, never removed
         if peer.conn is None:
             peer.conn = conn
         if adding:
             self.peers[name] = peer
         self.fabric.emit("peer.load", agent=self.name, pid=self.pid, conn=self.conn, peer=name, peer_conn=peer.conn,
-                         sections=len(sections))
+                         sections=table.count)
         return name.encode()
 
     def invalidateRemoteMD(self, name: str) -> None:

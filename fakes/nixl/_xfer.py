@@ -31,7 +31,6 @@ class PreppedDlist:
     mem: int
     triples: list[tuple[int, int, int]]
     regions: list[Region]
-    released: bool = False
 
 
 @dataclass
@@ -57,6 +56,10 @@ class XferReq:
     @property
     def nbytes(self) -> int:
         return sum(n for _, _, n in self.pairs)
+
+
+# What a released request handle resolves to: every use of it is refused (or crashes) before its content is read.
+_RELEASED = XferReq(0, "READ", "", None, [], [], [], released=True, state=DONE)
 
 
 @dataclass
@@ -85,6 +88,10 @@ class XferMixin:
     def _init_xfer(self) -> None:
         self.dlists: dict[int, PreppedDlist] = {}
         self.xfers: dict[int, XferReq] = {}
+        # Released handles are remembered (their use is an error, or a crash as in 1.5.1) but not their content:
+        # an EPLB rebalance at EP64 makes tens of thousands of requests, and keeping each one after its release
+        # grew the heap (and every planned gc.collect()) without bound.
+        self.released_handles: set[int] = set()
 
     # -- where the remote side lives ------------------------------------------------------------------------
     def _remote_side(self, agent_name: str, call: str):
@@ -125,16 +132,15 @@ class XferMixin:
         return handle
 
     def releasedDlistH(self, handle: int) -> None:
-        dlist = self.dlists.get(handle)
-        if dlist is not None:
-            dlist.released = True
+        if self.dlists.pop(handle, None) is not None:
+            self.released_handles.add(handle)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def makeXferReq(self, op: Any, local_h: int, local_idx: Any, remote_h: int, remote_idx: Any,
                     notif: bytes | str = b"", backends: list | None = None, skip_desc_merge: bool = False) -> int:
         self._enter()
         local, remote = self.dlists.get(local_h), self.dlists.get(remote_h)
-        if local is None or remote is None or local.released or remote.released:
+        if local is None or remote is None:
             S.fail(S.INVALID_PARAM, "makeXferReq: invalid descriptor list handle")
         if local.side != "local" or remote.side == "local":
             S.fail(S.INVALID_PARAM, "makeXferReq: local and remote descriptor list handles are swapped")
@@ -185,6 +191,8 @@ class XferMixin:
     def _req(self, handle: int, call: str) -> XferReq:
         req = self.xfers.get(handle)
         if req is None:
+            if handle in self.released_handles:
+                return _RELEASED
             S.fail(S.NOT_FOUND, f"{call}: unknown transfer request handle")
         return req
 
@@ -343,6 +351,8 @@ class XferMixin:
         if req.state == PROC:
             req.state = CANCELED  # UCX cancels the outstanding operations; a completion that comes later is dropped
         req.released = True
+        if self.xfers.pop(handle, None) is not None:
+            self.released_handles.add(handle)
 
     # -- queries ------------------------------------------------------------------------------------------------
     def estimateXferCost(self, handle: int) -> tuple[int, int, int]:

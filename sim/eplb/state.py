@@ -118,7 +118,7 @@ class Placement:
     ``max + 1`` of the map.
     """
 
-    __slots__ = ("_p2l", "_ep_size", "_num_logical")
+    __slots__ = ("_p2l", "_ep_size", "_num_logical", "_hash")
 
     def __init__(self, physical_to_logical, ep_size: int, num_logical: int | None = None) -> None:
         raw = np.asarray(physical_to_logical)
@@ -287,11 +287,17 @@ class Placement:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
+        if self is other:
+            return True
         return (self._ep_size == other._ep_size and self._num_logical == other._num_logical
                 and self._p2l.shape == other._p2l.shape and bool(np.array_equal(self._p2l, other._p2l)))
 
     def __hash__(self) -> int:
-        return hash((self._ep_size, self._num_logical, self._p2l.shape, self._p2l.tobytes()))
+        try:
+            return self._hash
+        except AttributeError:  # computed once: placements are immutable and key every rank's per-layer plan lookup
+            self._hash = hash((self._ep_size, self._num_logical, self._p2l.shape, self._p2l.tobytes()))
+            return self._hash
 
     def __repr__(self) -> str:
         return f"Placement(ep_size={self._ep_size}, num_logical={self._num_logical}, {self.to_list()})"
