@@ -15,6 +15,8 @@ A replica is assumed to serve ``load / replicas`` tokens.  No randomness: the sa
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from .state import EplbError, ModelShape, Placement
@@ -44,29 +46,49 @@ def replica_counts(layer_load: np.ndarray, num_physical: int, ep_size: int | Non
     num_logical = layer_load.shape[0]
     if num_physical < num_logical:
         raise EplbError(f"num_physical={num_physical} is fewer than num_logical_experts={num_logical}")
-    counts = np.ones(num_logical, dtype=np.int64)
-    ids = np.arange(num_logical)
+    counts = [1] * num_logical
+    loads = layer_load.tolist()
+    # A heap ordered as the rule reads: highest load per replica, then fewer replicas, then lower id.  Experts at
+    # the ep_size cap wait aside while any expert is under it.
+    heap = [(-loads[e], 1, e) for e in range(num_logical)]
+    heapq.heapify(heap)
+    capped: list[tuple[float, int, int]] = []
     for _ in range(num_physical - num_logical):
-        per_replica = layer_load / counts
-        order = np.lexsort((ids, counts, -per_replica))
         if ep_size is not None:
-            under = order[counts[order] < ep_size]
-            order = under if under.size else order
-        counts[int(order[0])] += 1
-    return counts
+            while heap and heap[0][1] >= ep_size:
+                capped.append(heapq.heappop(heap))
+            if not heap:  # every expert has ep_size replicas: the cap no longer applies
+                heap, capped = capped, []
+                heapq.heapify(heap)
+        _, _, e = heapq.heappop(heap)
+        counts[e] += 1
+        heapq.heappush(heap, (-(loads[e] / counts[e]), counts[e], e))
+    return np.asarray(counts, dtype=np.int64)
 
 
 def _pack_layer(layer_load: np.ndarray, counts: np.ndarray, ep_size: int, num_local: int) -> list[list[int]]:
-    per_replica = layer_load / counts
-    replicas = sorted(((-float(per_replica[e]), e) for e in range(len(counts)) for _ in range(int(counts[e]))))
+    per_replica = (layer_load / counts).tolist()
+    replicas = sorted((-per_replica[e], e) for e in range(len(counts)) for _ in range(int(counts[e])))
     slots: list[list[int]] = [[] for _ in range(ep_size)]
+    held: list[set[int]] = [set() for _ in range(ep_size)]
     rank_load = [0.0] * ep_size
+    # Ranks with a free slot, least loaded first (ties: lower rank); a rank leaves the heap when it is full.
+    heap = [(0.0, r) for r in range(ep_size)]
     for neg_load, e in replicas:
-        free = [r for r in range(ep_size) if len(slots[r]) < num_local]
-        fresh = [r for r in free if e not in slots[r]]
-        r = min(fresh or free, key=lambda r: (rank_load[r], r))
+        skipped = []
+        while heap and e in held[heap[0][1]]:
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            _, r = heapq.heappop(heap)
+        else:  # every rank with a free slot already holds e: the least loaded of them takes a second replica
+            _, r = skipped.pop(0)
+        for item in skipped:
+            heapq.heappush(heap, item)
         slots[r].append(e)
+        held[r].add(e)
         rank_load[r] += -neg_load
+        if len(slots[r]) < num_local:
+            heapq.heappush(heap, (rank_load[r], r))
     _remove_duplicates(slots)
     return [sorted(s) for s in slots]
 

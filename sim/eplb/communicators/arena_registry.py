@@ -126,7 +126,8 @@ class ArenaNixlCommunicator(EplbCommunicator):
         self._remote_send_meta: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
         self._remote_ready = False
         self._layer_idx: int | None = None
-        self._src_rows: list[dict[int, int]] = []
+        self._old_indices: list[int] = []
+        self._src_rows: dict[int, dict[int, int]] = {}
 
         self._arena = _acquire_arena(self._rank, tensors, self._mem)
         self.nixl_wrapper = self._arena.agent
@@ -179,16 +180,20 @@ class ArenaNixlCommunicator(EplbCommunicator):
         if not self._remote_ready:
             self._init_remote_state()
         assert not self._xfer_handles, "set_transfer_context with transfers still pending"
-        indices = old_indices.tolist() if hasattr(old_indices, "tolist") else list(old_indices)
-        per_rank = []
-        for r in range(self._world):
-            rows: dict[int, int] = {}
-            for row, expert in enumerate(indices[r * self._num_local_experts:(r + 1) * self._num_local_experts]):
+        self._old_indices = old_indices.tolist() if hasattr(old_indices, "tolist") else list(old_indices)
+        self._src_rows = {}  # built per source rank on its first READ: a layer READs from a few ranks, not all
+        self._layer_idx = int(layer_idx)
+
+    def _src_row(self, src_rank: int, expert_id: int) -> int | None:
+        """The first row of ``src_rank`` that held ``expert_id`` before this layer's move (-1 rows are empty)."""
+        rows = self._src_rows.get(src_rank)
+        if rows is None:
+            rows = self._src_rows[src_rank] = {}
+            n = self._num_local_experts
+            for row, expert in enumerate(self._old_indices[src_rank * n:(src_rank + 1) * n]):
                 if int(expert) != -1:
                     rows.setdefault(int(expert), row)
-            per_rank.append(rows)
-        self._src_rows = per_rank
-        self._layer_idx = int(layer_idx)
+        return rows.get(int(expert_id))
 
     def add_send(self, tensors: Sequence[Any], dst_rank: int, expert_id: int) -> None:
         """Nothing to do: the receiver READs."""
@@ -197,7 +202,7 @@ class ArenaNixlCommunicator(EplbCommunicator):
         if self._layer_idx is None:
             raise RuntimeError("add_recv before set_transfer_context")
         layer = self._layer_idx
-        row = self._src_rows[src_rank].get(int(expert_id))
+        row = self._src_row(src_rank, expert_id)
         if row is None:
             raise RuntimeError(f"expert {expert_id} is not on rank {src_rank} in layer {layer}")
         if src_rank == self._rank:
