@@ -311,16 +311,16 @@ class nixl_agent:
     def _tensor_mem_type(tensor: Any) -> str:
         return "DRAM" if tensor.get_device() == -1 else "VRAM"
 
-    def _tensor_rows(self, tensors: list) -> Optional[tuple[str, np.ndarray]]:
+    def _tensor_rows(self, tensors: list) -> Optional[tuple[str, list[tuple[int, int, int]]]]:
         device = tensors[0].device
-        rows = np.zeros((len(tensors), 3), dtype=np.uint64)
-        for i, t in enumerate(tensors):
+        rows = []
+        for t in tensors:
             if t.device != device:
                 return None
             if not t.is_contiguous():
                 logger.error("Please use a list of contiguous Tensors")
                 return None
-            rows[i] = (t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0))
+            rows.append((t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0)))
         return self._tensor_mem_type(tensors[0]), rows
 
     def _descs(self, descs: Any, mem_type: Optional[str], cls: type, arity: int, wrong: type, wrong_msg: str):
@@ -355,7 +355,7 @@ class nixl_agent:
             found = self._tensor_rows(descs)
             if found is None:
                 return None
-            return cls(self.nixl_mems[found[0]], found[1])
+            return cls._of_triples(self.nixl_mems[found[0]], found[1])
         return None
 
     def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None):

@@ -94,8 +94,16 @@ class _DList:
         self._descs = [tuple(d) for d in state[1]]
 
     # -- helpers the fake agent uses --------------------------------------------------------------------------
+    @classmethod
+    def _of_triples(cls, type: nixl_mem_t, triples: list[tuple[int, int, int]]) -> _DList:  # noqa: A002
+        """A list from (addr, len, dev) tuples of Python ints the fake made itself (nothing left to convert)."""
+        out = cls.__new__(cls)
+        out._type = nixl_mem_t(int(type))
+        out._descs = triples if cls._arity == 3 else [t + (b"",) for t in triples]
+        return out
+
     def _triples(self) -> list[tuple[int, int, int]]:
-        return [d[:3] for d in self._descs]
+        return list(self._descs) if self._arity == 3 else [d[:3] for d in self._descs]
 
 
 class nixlXferDList(_DList):

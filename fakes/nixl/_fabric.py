@@ -172,6 +172,8 @@ class FakeFabric:
         self._freed = [r for r in self._freed if r[1] <= lo or r[0] >= hi]
 
     def is_freed(self, addr: int, length: int) -> bool:
+        if not self._freed:
+            return False
         hi = addr + max(length, 1)
         return any(lo < hi and addr < rhi for lo, rhi in self._freed)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import _status as S
 from ._faults import STATUS_BY_NAME
@@ -29,6 +29,14 @@ class Region:
     length: int
     dev: int
     key: int
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Regions key the range indexes and are looked up twice per descriptor of every transfer: hash them once.
+        object.__setattr__(self, "_hash", hash((self.mem, self.addr, self.length, self.dev, self.key)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def end(self) -> int:

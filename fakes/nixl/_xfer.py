@@ -52,10 +52,11 @@ class XferReq:
     finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
     due: float = 0.0  # when the bytes will have moved (inf: never)
     telemetry: dict = field(default_factory=dict)
+    nbytes: int = field(init=False, default=0)
+    spans: tuple | None = field(init=False, default=None)  # ([(local addr, len)], [(remote addr, len)]) for events
 
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, _, n in self.pairs)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(n for _, _, n in self.pairs)  # the descriptors never change after the request is made
 
 
 # What a released request handle resolves to: every use of it is refused (or crashes) before its content is read.
@@ -286,9 +287,11 @@ class XferMixin:
             return
         peer = self.peers.get(req.peer)
         target = self.conn if req.peer == self.name else (peer.conn if peer is not None else None)
+        spans = req.spans
+        if spans is None:  # listeners only read them; built once for the post and the completion
+            spans = req.spans = ([(la, n) for la, _, n in req.pairs], [(ra, n) for _, ra, n in req.pairs])
         self.fabric.emit(kind, agent=self.name, pid=self.pid, conn=self.conn, peer=req.peer, target=target,
-                         op=req.op, nbytes=req.nbytes, local=[(la, n) for la, _, n in req.pairs],
-                         remote=[(ra, n) for _, ra, n in req.pairs])
+                         op=req.op, nbytes=req.nbytes, local=spans[0], remote=spans[1])
 
     def _complete(self, req: XferReq, epoch: int) -> None:
         if req.state != PROC or req.epoch != epoch or self.destroyed:
