@@ -72,6 +72,7 @@ class Worker:
         self.prepared: tuple[Any, Any] | None = None  # (communicator, group)
         self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
         self.load = StepWindow(max(1, sc.eplb.window))
+        self._views: dict[tuple[int, int], tuple[list, list]] = {}  # (id(tensor list), row) -> (that list, views)
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
@@ -151,10 +152,9 @@ class Worker:
             comm.set_transfer_context(old_idx, layer)
             move.stage_local_copies(self.weights[layer], self.buffer, plan)
             for dst_rank, logical in plan.sends:
-                row = plan.send_row(logical)
-                comm.add_send([w[row] for w in self.weights[layer]], dst_rank, logical)
+                comm.add_send(self._rows(self.weights[layer], plan.send_row(logical)), dst_rank, logical)
             for dst_row, src_rank, logical in plan.recvs:
-                comm.add_recv([b[dst_row] for b in self.buffer], src_rank, logical)
+                comm.add_recv(self._rows(self.buffer, dst_row), src_rank, logical)
             comm.execute()
             move.move_from_buffer(self.weights[layer], self.buffer, plan)
         space = move.rank_space(old, new, mapping)
@@ -164,6 +164,16 @@ class Worker:
             problems = check_weights(self.weights, new, new_rank)
             self.cluster.oracles.weights_checked(self.pid, problems)
         self.history("eplb.rearranged", moved_layers=old.num_layers)
+
+    def _rows(self, tensors: list[torch.Tensor], row: int) -> list[torch.Tensor]:
+        """``[t[row] for t in tensors]``: the per-expert views vLLM passes to add_send/add_recv.  Storage never
+        moves under a list of tensors (a moved buffer is a new list), so the views are made once per row; the
+        communicator gets a list of its own."""
+        key = (id(tensors), row)
+        views = self._views.get(key)
+        if views is None or views[0] is not tensors:
+            views = self._views[key] = (tensors, [t[row] for t in tensors])
+        return list(views[1])
 
     def do_prepare(self, group, prepare_s: float) -> Any:
         """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one."""

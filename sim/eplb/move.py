@@ -139,9 +139,13 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int) -
         _, _, first_recv, _ = _needs(old_rows[dst], new_rows[dst])
         wanted.extend((logical, dst, row) for logical, row in first_recv.items())
     sends = [0] * len(old_rows)
+    holding: dict[int, list[int]] = {}  # logical -> the ranks holding it before the move, ascending
+    for r, rows in enumerate(old_rows):
+        for logical in dict.fromkeys(rows):
+            holding.setdefault(logical, []).append(r)
     out: dict[tuple[int, int], int] = {}
     for logical, dst, row in sorted(wanted):
-        holders = [r for r in range(len(old_rows)) if logical in old_rows[r]]
+        holders = holding.get(logical)
         if not holders:
             raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {dst} but no rank holds "
                             f"it before the move")
@@ -192,9 +196,25 @@ def plan_all(old: Placement, new: Placement, layer: int, rank_mapping: RankMappi
 def stage_local_copies(weights_layer, buffer, plan: LayerPlan) -> None:
     """The local part of ``move_to_buffer``: ``buffer[t][dst] = weights_layer[t][src]`` for every local copy.
     Only reads the weights, so peers may still be reading them."""
-    for dst, src in plan.local_copies:
-        for w, b in zip(weights_layer, buffer, strict=True):
-            b[dst].copy_(w[src])
+    _copy_rows(buffer, weights_layer, plan.local_copies)
+
+
+def _copy_rows(into, source, rows: list[tuple[int, int]]) -> None:
+    """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows), one indexed copy per
+    tensor rather than one per row."""
+    if len(into) != len(source):
+        raise ValueError(f"{len(into)} tensors to write, {len(source)} to read")
+    if not rows:
+        return
+    if len(rows) == 1:
+        (dst, src), = rows
+        for a, b in zip(into, source):
+            a[dst].copy_(b[src])
+        return
+    dst = into[0].new_tensor([d for d, _ in rows]).long()
+    src = into[0].new_tensor([s for _, s in rows]).long()
+    for a, b in zip(into, source):
+        a.index_copy_(0, dst, b.index_select(0, src))
 
 
 def move_from_buffer(weights_layer, buffer, plan: LayerPlan) -> None:
@@ -203,9 +223,7 @@ def move_from_buffer(weights_layer, buffer, plan: LayerPlan) -> None:
     rows = [(dst, dst) for dst, _ in plan.local_copies]
     rows += [(dst, dst) for dst, _, _ in plan.recvs]
     rows += list(plan.recv_copies)
-    for dst, src in rows:
-        for w, b in zip(weights_layer, buffer, strict=True):
-            w[dst].copy_(b[src])
+    _copy_rows(weights_layer, buffer, rows)
 
 
 def apply_layer(weights_layer, buffer, plan: LayerPlan) -> None:
