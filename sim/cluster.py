@@ -195,23 +195,23 @@ class Cluster:
             steps -= chunk
         return True
 
-    def _route(self, steps: int, probs: np.ndarray) -> np.ndarray:
-        """Expert load of ``steps`` forward steps, per member: (members, layers, experts) token counts.
+    def _route(self, steps: int, probs: np.ndarray) -> list[np.ndarray]:
+        """Expert load of ``steps`` forward steps, per member: a (layers, experts) token count each.
 
-        The group's tokens are routed in one exact multinomial draw per layer, then dealt out to the members
-        evenly (the remainder of each expert round-robin from a rotating member), so the all-reduced load is an
+        The group's tokens are routed in one exact multinomial draw per layer, then dealt out evenly, the
+        remainder (under one token per member and expert) to one member in turn; so the all-reduced load is an
         exact sample of the routing distribution.  DP ranks see statistically identical traffic, and per-rank draws
-        would cost a multinomial per rank per layer per chunk (about 1 M binomials per chunk at EP64).
+        would cost a multinomial per rank per layer per chunk (about 1 M binomials per chunk at EP64).  Members
+        only read their arrays, so the even share is one array for all of them.
         """
         sc = self.scenario
         n = len(self.members)
         draws = steps * sc.serving.tokens_per_step * sc.serving.top_k * n
         total = self._routing.multinomial(draws, probs)  # (layers, experts)
         share, rest = np.divmod(total, n)
-        loads = np.broadcast_to(share, (n, *share.shape)).copy()
-        offset = self.step % n
-        order = (np.arange(n)[:, None, None] - offset) % n  # member i gets one of the remainder if order < rest
-        loads += order < rest
+        share.flags.writeable = False
+        loads = [share] * n
+        loads[self.step % n] = share + rest
         return loads
 
     def _probs(self, epoch: int) -> np.ndarray:

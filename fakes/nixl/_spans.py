@@ -19,11 +19,17 @@ class SpanIndex:
         self._items: list[tuple[Hashable, int, int, Any]] = []  # (key, start, end, payload)
         self._count: Counter = Counter()
         self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
+        # Answers since the last change: EPLB asks about the same few hundred ranges layer after layer.
+        self._answers: dict[tuple[Hashable, int, int], Any] = {}
 
     def add(self, key: Hashable, start: int, length: int, payload: Any) -> None:
         self._items.append((key, start, start + length, payload))
         self._count[payload] += 1
+        self._changed()
+
+    def _changed(self) -> None:
         self._groups = None
+        self._answers.clear()
 
     def remove(self, payload: Any) -> bool:
         """Remove one entry whose payload equals ``payload``; False if there is none."""
@@ -33,14 +39,14 @@ class SpanIndex:
                 self._count[payload] -= 1
                 if not self._count[payload]:
                     del self._count[payload]
-                self._groups = None
+                self._changed()
                 return True
         return False
 
     def clear(self) -> None:
         self._items.clear()
         self._count.clear()
-        self._groups = None
+        self._changed()
 
     def __contains__(self, payload: Any) -> bool:
         return payload in self._count
@@ -69,6 +75,16 @@ class SpanIndex:
     def find(self, key: Hashable, start: int, length: int, skip=None) -> Any:
         """A payload whose range covers [start, start+length) under ``key`` (None if none; ``skip``: payloads to
         pass over)."""
+        if skip is None:
+            query = (key, start, length)
+            try:
+                return self._answers[query]
+            except KeyError:
+                found = self._answers[query] = self._find(key, start, length, None)
+                return found
+        return self._find(key, start, length, skip)
+
+    def _find(self, key: Hashable, start: int, length: int, skip) -> Any:
         groups = self._groups if self._groups is not None else self._build()
         group = groups.get(key)
         if group is None:
