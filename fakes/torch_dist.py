@@ -42,16 +42,24 @@ class _Op:
     args: dict[int, Any] = field(default_factory=dict)  # group rank -> contribution
     done: Any = None  # simpy event, value = result per rank
     deadline: Any = None  # simpy timeout from the first arrival: one watchdog per collective, not per waiter
+    pickled: dict = field(default_factory=dict)  # id(result) -> its serialized form, while the results live
 
 
-def _copy(value: Any) -> Any:
-    """What crosses from one simulated process to another: a copy, never the object itself."""
+def _copy(value: Any, pickled: dict[int, bytes] | None = None) -> Any:
+    """What crosses from one simulated process to another: a copy, never the object itself.  ``pickled`` caches
+    serialized values by id while they are alive, so one result that every rank receives (all_gather_object's list)
+    is serialized once and deserialized per rank."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return pickle.loads(pickle.dumps(value))
+    if pickled is None:
+        return pickle.loads(pickle.dumps(value))
+    blob = pickled.get(id(value))
+    if blob is None:
+        blob = pickled[id(value)] = pickle.dumps(value)
+    return pickle.loads(blob)
 
 
 class Rendezvous:
@@ -96,7 +104,7 @@ class Rendezvous:
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
-        return _copy(results[rank])
+        return _copy(results[rank], op.pickled)
 
 
 class FakeProcessGroup:

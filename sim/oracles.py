@@ -110,17 +110,18 @@ class Oracles:
     def _check_transfer(self, f: dict[str, Any]) -> None:
         self.metrics["transfers"] += 1
         self.metrics["bytes_moved"] += f["nbytes"]
-        src, dst = (f["target"], f["conn"]) if f["op"] == "READ" else (f["conn"], f["target"])
-        for (lo, n), side, conn in [(r, "local", f["conn"]) for r in f["local"]] + \
-                                   [(r, "remote", f["target"]) for r in f["remote"]]:
+        for side, conn, spans in (("local", f["conn"], f["local"]), ("remote", f["target"], f["remote"])):
             index = self.live.get(conn)
-            if index is None or index.find(0, lo, n) is None:
-                who = self.agent_name.get(conn, conn)
-                state = "destroyed" if conn in self.destroyed else "live"
-                self._problem("safety", "unregistered_access",
-                              f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {n} B {'from' if (conn == src) else 'into'} "
-                              f"{side} memory of {who} ({state}) that was not registered at that moment")
-                return
+            for lo, n in spans:
+                if index is None or index.find(0, lo, n) is None:
+                    src = f["target"] if f["op"] == "READ" else f["conn"]
+                    who = self.agent_name.get(conn, conn)
+                    state = "destroyed" if conn in self.destroyed else "live"
+                    self._problem("safety", "unregistered_access",
+                                  f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {n} B "
+                                  f"{'from' if conn == src else 'into'} {side} memory of {who} ({state}) that was "
+                                  "not registered at that moment")
+                    return
 
     # -- checks the harness asks for ----------------------------------------------------------------------------
     def weights_checked(self, pid: int, problems: list[str]) -> None:

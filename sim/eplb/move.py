@@ -164,12 +164,23 @@ def plan_sources(old: Placement, new: Placement, layer: int,
     return _sources(old_rows, new_rows, layer)
 
 
-def _plan(old_rows, new_rows, layer: int, rank: int, sources) -> LayerPlan:
+def _sends_by_rank(new_rows, sources) -> dict[int, list[tuple[int, int]]]:
+    """``{src_rank: [(dst_rank, logical)]}`` by logical then destination rank."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for (dst, row), src in sources.items():
+        out.setdefault(src, []).append((dst, new_rows[dst][row]))
+    for sends in out.values():
+        sends.sort(key=lambda x: (x[1], x[0]))
+    return out
+
+
+def _plan(old_rows, new_rows, layer: int, rank: int, sources, sends_by_rank=None) -> LayerPlan:
     unchanged, local, first_recv, recv_copies = _needs(old_rows[rank], new_rows[rank])
     recvs = sorted(((row, sources[(rank, row)], logical) for logical, row in first_recv.items()),
                    key=lambda x: x[2])
-    sends = sorted(((dst, new_rows[dst][row]) for (dst, row), src in sources.items() if src == rank),
-                   key=lambda x: (x[1], x[0]))
+    if sends_by_rank is None:
+        sends_by_rank = _sends_by_rank(new_rows, sources)
+    sends = sends_by_rank.get(rank, [])
     return LayerPlan(layer, rank, list(old_rows[rank]), list(new_rows[rank]), unchanged, local, recvs,
                      recv_copies, sends)
 
@@ -187,7 +198,8 @@ def plan_all(old: Placement, new: Placement, layer: int, rank_mapping: RankMappi
     """Every communication rank's plan for ``layer`` (index = rank)."""
     old_rows, new_rows = _rows(old, new, layer, rank_mapping)
     sources = _sources(old_rows, new_rows, layer)
-    return [_plan(old_rows, new_rows, layer, r, sources) for r in range(len(old_rows))]
+    sends = _sends_by_rank(new_rows, sources)
+    return [_plan(old_rows, new_rows, layer, r, sources, sends) for r in range(len(old_rows))]
 
 
 # ------------------------------------------------------------------------------------------------ applying a plan

@@ -382,9 +382,32 @@ def fill_weights(weights, placement: Placement, rank: int) -> None:
 
 def check_weights(weights, placement: Placement, rank: int) -> list[str]:
     """One line per wrong row of ``rank``'s expert weights under ``placement``; empty when all are right."""
-    problems: list[str] = []
     if len(weights) != placement.num_layers:
         return [f"rank {rank}: weights has {len(weights)} layers, placement has {placement.num_layers}"]
+    if _all_right(weights, placement, rank):
+        return []
+    return _wrong_rows(weights, placement, rank)
+
+
+def _all_right(weights, placement: Placement, rank: int) -> bool:
+    """One vectorised comparison of every layer and tensor (the common case: after every rebalance of every
+    rank); the row-by-row report runs only when something is wrong."""
+    tensors = [t for layer in weights for t in layer]
+    n = placement.num_local_experts
+    if not tensors or any(t.dim() != 2 or t.shape[0] != n for t in tensors) or len({t.shape for t in tensors}) != 1:
+        return False
+    per_layer = len(weights[0])
+    if any(len(layer) != per_layer for layer in weights):
+        return False
+    ids = placement.physical_to_logical[:, rank * n:(rank + 1) * n].astype(np.float64)  # [layers, n]
+    base = np.arange(placement.num_layers, dtype=np.float64)[:, None] * 1000.0 + ids  # signature(layer, logical)
+    want = base[:, None, :] + np.arange(per_layer, dtype=np.float64)[None, :, None] * 0.25  # [layers, tensors, n]
+    got = np.stack([t.detach().cpu().numpy() for t in tensors]).reshape(placement.num_layers, per_layer, n, -1)
+    return bool((got == want[..., None]).all())
+
+
+def _wrong_rows(weights, placement: Placement, rank: int) -> list[str]:
+    problems: list[str] = []
     for layer, tensors in enumerate(weights):
         ids = placement.local(rank, layer)
         for t, tensor in enumerate(tensors):
