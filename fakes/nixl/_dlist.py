@@ -15,11 +15,21 @@ def _as_int(value: Any) -> int:
     return int(value)
 
 
+_MEM_TYPES = {int(m): m for m in nixl_mem_t}
+
+
+def _mem_type(value: Any) -> nixl_mem_t:
+    try:
+        return _MEM_TYPES[int(value)]
+    except KeyError:
+        return nixl_mem_t(int(value))  # raises the enum's own ValueError
+
+
 class _DList:
     _arity = 3
 
     def __init__(self, type: nixl_mem_t, descs: Any = 0) -> None:  # noqa: A002 - the real keyword is `type`
-        self._type = nixl_mem_t(int(type))
+        self._type = _mem_type(type)
         self._descs: list[tuple] = []
         if isinstance(descs, int):
             return  # (type, init_size): the size is a capacity hint only
@@ -29,10 +39,14 @@ class _DList:
             for row in descs.tolist():
                 self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
             return
+        arity = self._arity
         for desc in descs:
-            if not isinstance(desc, tuple) or len(desc) != self._arity:
-                raise ValueError(f"Each descriptor tuple must have exactly {self._arity} elements")
-            self._descs.append(self._make(desc))
+            if not isinstance(desc, tuple) or len(desc) != arity:
+                raise ValueError(f"Each descriptor tuple must have exactly {arity} elements")
+        if arity == 3:  # the transfer path: one comprehension, no call per descriptor
+            self._descs = [(int(a), int(n), int(d)) for a, n, d in descs]
+        else:
+            self._descs = [self._make(desc) for desc in descs]
 
     def _make(self, desc: tuple) -> tuple:
         addr, length, dev = _as_int(desc[0]), _as_int(desc[1]), _as_int(desc[2])
@@ -98,7 +112,7 @@ class _DList:
     def _of_triples(cls, type: nixl_mem_t, triples: list[tuple[int, int, int]]) -> _DList:  # noqa: A002
         """A list from (addr, len, dev) tuples of Python ints the fake made itself (nothing left to convert)."""
         out = cls.__new__(cls)
-        out._type = nixl_mem_t(int(type))
+        out._type = _mem_type(type)
         out._descs = triples if cls._arity == 3 else [t + (b"",) for t in triples]
         return out
 

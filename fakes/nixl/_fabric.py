@@ -119,6 +119,8 @@ class FakeFabric:
         """Run everything that is due.  Every agent call starts here (NIXL's progress thread, made explicit)."""
         if self._clock is None:
             self._tick += 1
+        elif not self._pending:
+            return
         now = self.now()
         while self._pending and self._pending[0][0] <= now:
             _, _, action = heapq.heappop(self._pending)
@@ -170,6 +172,9 @@ class FakeFabric:
         """The allocator handed [addr, addr+length) out again."""
         lo, hi = addr, addr + length
         self._freed = [r for r in self._freed if r[1] <= lo or r[0] >= hi]
+
+    def has_freed(self) -> bool:
+        return bool(self._freed)
 
     def is_freed(self, addr: int, length: int) -> bool:
         if not self._freed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from dataclasses import dataclass, field
 
 from . import _status as S
@@ -47,6 +48,20 @@ class Region:
 
     def section(self) -> list[int]:
         return [self.mem, self.addr, self.length, self.dev, self.key]
+
+
+_regions: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def region(mem: int, addr: int, length: int, dev: int, key: int) -> Region:
+    """The one live Region with these values.  A peer's view of a registration (decoded from metadata) is then the
+    very object the owner registered, and the per-descriptor "is it still registered?" lookups of every transfer
+    compare by identity instead of field by field."""
+    values = (mem, addr, length, dev, key)
+    found = _regions.get(values)
+    if found is None:
+        found = _regions[values] = Region(*values)
+    return found
 
 
 def encode_md(name: str, conn: str | None, regions: list[Region]) -> bytes:
@@ -117,7 +132,7 @@ def _decode(blob: bytes) -> tuple[str, str | None, SectionTable] | None:
     # table built from them is shared by every loader.
     try:
         body = json.loads(blob[len(MD_TAG):])
-        return body["name"], body["conn"], SectionTable.of(tuple(Region(*s) for s in body["sections"]))
+        return body["name"], body["conn"], SectionTable.of(tuple(region(*s) for s in body["sections"]))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -159,7 +174,7 @@ class MemoryMixin:
             S.fail(STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
                    "registerMem: registration failed for the specified or all potential backends "
                    "(injected fault register.fail)")
-        new = [Region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in descs._triples()]
+        new = [region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in descs._triples()]
         if profile.exclusive_pages:
             self._refuse_shared_pages(new)
         self.regions.extend(new)  # all or nothing: nothing above added anything

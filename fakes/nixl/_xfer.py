@@ -218,10 +218,11 @@ class XferMixin:
             target = self._target(peer) if peer is not None else None
             if target is None:
                 return S.REMOTE_DISCONNECT, f"remote agent '{req.peer}' is disconnected"
+        freed = fabric.has_freed()
         for (la, ra, n), lreg, rreg in zip(req.pairs, req.local_regions, req.remote_regions):
-            if fabric.is_freed(ra, n):
+            if freed and fabric.is_freed(ra, n):
                 return S.REMOTE_DISCONNECT, "remote memory was unmapped: UCX I/O error failed the endpoint"
-            if fabric.is_freed(la, n):
+            if freed and fabric.is_freed(la, n):
                 if profile.released_handle_use == "crash":
                     raise S.SimulatedCrash("SIGSEGV", "transfer into local memory that was unmapped")
                 return S.BACKEND, "local memory was unmapped"
