@@ -463,3 +463,34 @@ def test_same_calls_in_fresh_fabrics_are_identical(profile):
     assert notifs == [{"B": [b"r"]}, {"B": [b"n"]}, {}, {}]
     assert bool((bufs[1] == PATTERN).all())
     assert (mds[0] == mds[-1]) is (profile == "dram")
+
+
+# -- shared peer tables and released handles (EP-scale memory) ------------------------------------------------
+def test_loaders_of_the_same_metadata_share_one_table_and_a_merge_copies_it():
+    fabric = FakeFabric("dram")
+    with use_fabric(fabric):
+        a, b, c = (_api.nixl_agent(n) for n in "ABC")
+    t, t2 = torch.zeros(N, dtype=torch.uint8), torch.zeros(N, dtype=torch.uint8)
+    a.register_memory(t)
+    md = a.get_agent_metadata()
+    b.add_remote_agent(md)
+    c.add_remote_agent(md)
+    table = b.agent.peers["A"].table
+    assert c.agent.peers["A"].table is table and len(table) == 1
+    a.register_memory(t2)
+    b.add_remote_agent(a.get_agent_metadata())  # same connection: sections merged into a new table for B only
+    assert len(b.agent.peers["A"].table) == 2 and c.agent.peers["A"].table is table and len(table) == 1
+    assert b.check_remote_metadata("A", b.get_xfer_descs(t2)) and not c.check_remote_metadata("A", c.get_xfer_descs(t2))
+
+
+def test_released_handles_are_remembered_without_their_requests():
+    fabric = FakeFabric("cuda")  # a strict profile: use after release raises instead of crashing
+    pair = Pair(fabric)
+    h = pair.read()
+    assert pair.b.transfer(h) in ("DONE", "PROC")
+    raw = h._handle
+    pair.b.release_xfer_handle(h)
+    core = pair.b.agent
+    assert raw not in core.xfers and raw in core.released_handles
+    with pytest.raises(_bindings.nixlInvalidParamError):
+        core.postXferReq(raw)
