@@ -57,6 +57,7 @@ class Cluster:
         time_model = NominalTimeModel(row_bytes, m.nominal_expert_bytes / m.tensors_per_layer)
         self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami, time_model=time_model)
         self.fabric.poll_wait = self._poll_wait
+        self.fabric.thread_of = self.kernel.current
         self.oracles = Oracles(self)
         self.fabric.listeners.append(self._on_fabric)
         self.gc = GcController(self)

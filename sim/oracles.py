@@ -6,6 +6,8 @@ Safety invariants (checked as the run goes, each violation tied to the event whe
   (cma/NVLink copy it anyway; an RDMA NIC would fail; either way the strategy relied on a registration it lost);
 - ``expert_weights``: after a rebalance, a rank's weights differ from the placement;
 - ``stale_peer``: after a reconfiguration completed, a live agent still has a departed agent loaded;
+- ``agent_threads``: an agent was called by one thread while another thread held open transfer requests on it
+  (NIXL 1.5.1 agents run in sync mode NONE: two threads using one agent race);
 - ``leak``: after shutdown an agent is still alive, or a registration was never released.
 
 Observations that are not violations under the run's profile (two live agents of one process registering the same
@@ -56,6 +58,7 @@ class Oracles:
         self.agent_name: dict[str, str] = {}
         self.destroyed: set[str] = set()
         self.peers: dict[str, dict[str, str]] = defaultdict(dict)  # conn -> {peer name: peer conn}
+        self._shared_use: set[str] = set()  # agents already reported as used by two threads at once
         self.problems: list[Problem] = []
         self.metrics: dict[str, Any] = {"registrations": 0, "duplicate_registrations": 0,
                                         "max_live_agents_per_process": 0, "agents_created": 0,
@@ -95,6 +98,11 @@ class Oracles:
             self.peers[conn].pop(f["peer"], None)
         elif kind == "xfer.done":
             self._check_transfer(f)
+        elif kind == "agent.threads" and conn not in self._shared_use:
+            self._shared_use.add(conn)  # one violation per agent: its first racing call is the finding
+            self._problem("safety", "agent_threads",
+                          f"agent {f['agent']} (pid {f['pid']}) was called on thread {f['thread']} while "
+                          f"{', '.join(f['others'])} held {f['open']} open transfer request(s) on it")
 
     def _note_duplicates(self, conn: str, pid: int, ranges: list[tuple[int, int]]) -> None:
         for other, held in self.live.items():

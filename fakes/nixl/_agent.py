@@ -91,8 +91,18 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def _enter(self) -> None:
-        """Start of every call: let the fabric make progress (complete transfers, deliver notifications)."""
-        self.fabric.progress()
+        """Start of every call: let the fabric make progress (complete transfers, deliver notifications), and note
+        a call from one thread while another holds open transfer requests on this agent."""
+        fabric = self.fabric
+        fabric.progress()
+        owners = self.req_owners
+        if owners and fabric.thread_of is not None:
+            me = fabric.thread_of()
+            if me not in owners or len(owners) > 1:
+                others = sorted(getattr(t, "name", str(t)) for t in owners if t is not me)
+                fabric.emit("agent.threads", agent=self.name, pid=self.pid, conn=self.conn,
+                            thread=getattr(me, "name", str(me)), others=others,
+                            open=sum(n for t, n in owners.items() if t is not me))
 
     def _vanish(self) -> None:
         """The agent is gone (destructor or killed process): nothing it held is reachable any more."""

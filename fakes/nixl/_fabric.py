@@ -82,6 +82,10 @@ class FakeFabric:
         # completion is due (inf if never).  The kernel sleeps the polling thread until then, which is what a
         # polling loop costs in simulated time without one event per spin.
         self.poll_wait: Callable[[float], None] | None = None
+        # Inside the simulator: the simulated thread making the current call.  An agent of 1.5.1 runs in sync mode
+        # NONE (no listener thread), so two threads using one agent at once race; the fake reports such use as an
+        # "agent.threads" event and leaves the verdict to the caller.
+        self.thread_of: Callable[[], Any] | None = None
 
     def __repr__(self) -> str:
         return f"<FakeFabric profile={self.profile.name!r} agents={len(self.conns)} now={self.now():g}>"

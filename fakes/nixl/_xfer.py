@@ -54,6 +54,7 @@ class XferReq:
     telemetry: dict = field(default_factory=dict)
     nbytes: int = field(init=False, default=0)
     spans: tuple | None = field(init=False, default=None)  # ([(local addr, len)], [(remote addr, len)]) for events
+    owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
 
     def __post_init__(self) -> None:
         self.nbytes = sum(n for _, _, n in self.pairs)  # the descriptors never change after the request is made
@@ -93,6 +94,7 @@ class XferMixin:
         # an EPLB rebalance at EP64 makes tens of thousands of requests, and keeping each one after its release
         # grew the heap (and every planned gc.collect()) without bound.
         self.released_handles: set[int] = set()
+        self.req_owners: dict[Any, int] = {}  # simulated thread -> requests it made that are not released yet
 
     # -- where the remote side lives ------------------------------------------------------------------------
     def _remote_side(self, agent_name: str, call: str):
@@ -185,7 +187,11 @@ class XferMixin:
     def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:
         handle = _handle_value(self.fabric)
         msg = notif.encode() if isinstance(notif, str) else bytes(notif)
-        self.xfers[handle] = XferReq(handle, _OPS[int(op)], peer, generation, pairs, lregs, rregs, msg)
+        req = self.xfers[handle] = XferReq(handle, _OPS[int(op)], peer, generation, pairs, lregs, rregs, msg)
+        if self.fabric.thread_of is not None:
+            req.owner = self.fabric.thread_of()
+            if req.owner is not None:
+                self.req_owners[req.owner] = self.req_owners.get(req.owner, 0) + 1
         return handle
 
     # -- posting and progress -------------------------------------------------------------------------------
@@ -357,6 +363,12 @@ class XferMixin:
         req.released = True
         if self.xfers.pop(handle, None) is not None:
             self.released_handles.add(handle)
+            if req.owner is not None:
+                left = self.req_owners[req.owner] - 1
+                if left:
+                    self.req_owners[req.owner] = left
+                else:
+                    del self.req_owners[req.owner]
 
     # -- queries ------------------------------------------------------------------------------------------------
     def estimateXferCost(self, handle: int) -> tuple[int, int, int]:
