@@ -226,8 +226,9 @@ def _copy_rows(into, source, rows: list[tuple[int, int]]) -> None:
     dst = [d for d, _ in rows]
     src = [s for _, s in rows]
     if all(t.device.type == "cpu" and not t.requires_grad for t in (*into, *source)):
+        dst_i, src_i = np.array(dst, dtype=np.intp), np.array(src, dtype=np.intp)
         for a, b in zip(into, source):  # numpy views share the tensors' memory and index at a fraction of the cost
-            a.numpy()[dst] = b.numpy()[src]
+            a.numpy()[dst_i] = b.numpy()[src_i]
         return
     dst_t, src_t = into[0].new_tensor(dst).long(), into[0].new_tensor(src).long()
     for a, b in zip(into, source):
