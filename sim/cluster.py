@@ -96,6 +96,14 @@ class Cluster:
             plain["regions"] = len(fields["ranges"])
         self.kernel.history.record(f"nixl.{kind}", **plain)
 
+    def restart_agents(self, pid: int) -> list[str]:
+        """Fault ``peer.restart``: every live agent of ``pid`` restarts in place under its name (on pid's thread)."""
+        from fakes.nixl._agent import restart_in_place
+
+        cores = sorted((c for c in list(self.fabric.conns.values()) if c.pid == pid and not c.destroyed),
+                       key=lambda c: c.uid)
+        return [restart_in_place(c).name for c in cores]
+
     # -- shared pure computations (every rank would compute the same) -------------------------------------------
     def plan(self, old: Placement, new: Placement, layer: int, mapping) -> list:
         key = ("plan", old, new, layer, _frozen(mapping))

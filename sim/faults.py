@@ -29,6 +29,9 @@ GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
 WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "storage.move": ("expert_buffer is reallocated right before PREPARE builds the new communicator (as vLLM "
                      "main@06-21's switch_and_prepare did), so the new storage was never registered", frozenset()),
+    "peer.restart": ("a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
+                     "memory registered again, no peers loaded); peers that kept the old entry must remove it "
+                     "before loading the name again", frozenset()),
 }
 COMMON = frozenset({"rank", "times", "at_step"})
 

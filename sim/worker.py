@@ -188,12 +188,15 @@ class Worker:
 
     def _prepare(self, group, prepare_s: float, done) -> None:
         self.kernel.sleep(prepare_s, "building standby groups")
-        if self.cluster.faults.take(WORKER_SITES, self.pid, "expert_buffer") is not None:
+        if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid,
+                                    "expert_buffer") is not None:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
             # here by the worker) so nothing reads freed memory.
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
             self.history("storage.move", what="expert_buffer")
+        if self.cluster.faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents") is not None:
+            self.history("peer.restart", agents=self.cluster.restart_agents(self.pid))
         comm = self.factory(group, self.weights, self.buffer, self.comm)
         self.prepared = (comm, group)
         del comm

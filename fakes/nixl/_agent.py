@@ -7,10 +7,12 @@ peers, stop.  Peers are not told (row 28); they find out at their next operation
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from . import _status as S
+from ._dlist import nixlRegDList
 from ._fabric import FakeFabric, current_fabric
 from ._memory import MemoryMixin
 from ._peers import PeersMixin
@@ -55,6 +57,7 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         self._init_memory()
         self._init_peers()
         self._init_xfer()
+        self.wrappers: weakref.WeakSet = weakref.WeakSet()  # the nixl_agent objects on this agent (restart_in_place)
         fabric.conns[self.conn] = self
         fabric.emit("agent.create", agent=name, pid=self.pid, conn=self.conn)
 
@@ -96,7 +99,7 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         fabric = self.fabric
         fabric.progress()
         owners = self.req_owners
-        if owners and fabric.thread_of is not None:
+        if owners and fabric.thread_of is not None and not self.config.syncMode:  # NONE: no locking inside
             me = fabric.thread_of()
             if me not in owners or len(owners) > 1:
                 others = sorted(getattr(t, "name", str(t)) for t in owners if t is not me)
@@ -150,3 +153,29 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
 
     def releaseMemView(self, mvh: int) -> None:
         S.fail(S.INVALID_PARAM, "releaseMemView: unknown memory view")
+
+
+def restart_in_place(core: AgentCore) -> AgentCore:
+    """The agent's process restarts its NIXL side under the same name (the reference's fault 6): the old agent is
+    gone for its peers, a fresh one with a new connection and no peers loaded registers the same memory again, and
+    the process's ``nixl_agent`` objects now hold the new agent, as the restarted process's own would.  Peers that
+    kept the old entry get NOT_ALLOWED when they load the name again without removing it first.
+
+    Call it from the agent's own simulated process (the simulator's worker thread, or ``fabric.process(pid)``).
+    """
+    fabric = core.fabric
+    regions = list(core.regions)
+    backends = dict(core.backends)
+    core._vanish()
+    new = AgentCore(core.name, core.config)
+    if new.pid != core.pid:
+        raise RuntimeError(f"restart_in_place of an agent of process {core.pid} called from process {new.pid}")
+    handles = {old: new.createBackend(name) for old, name in backends.items()}
+    for r in regions:  # registration order, one call each
+        new.registerMem(nixlRegDList(S.nixl_mem_t(r.mem), [(r.addr, r.length, r.dev, b"")]), [])
+    for wrapper in list(core.wrappers):
+        wrapper.agent = new
+        wrapper.backends = {name: handles.get(h, h) for name, h in wrapper.backends.items()}
+        new.wrappers.add(wrapper)
+    fabric.emit("agent.restart", agent=core.name, pid=core.pid, conn=new.conn, old_conn=core.conn)
+    return new

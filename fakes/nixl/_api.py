@@ -118,6 +118,7 @@ class nixl_agent:
             useProgThread=conf.enable_pthread, useListenThread=conf.enable_listen, listenPort=conf.port,
             syncMode=int(sync.value), captureTelemetry=conf.capture_telemetry)
         self.agent = nixlBind.nixlAgent(agent_name, core_conf)
+        self.agent.wrappers.add(self)  # so that a restart fault can hand this object the new agent
         self.name = agent_name
         self._leaked_xfer_handles: list[int] = []
         self.notifs: dict[str, list[bytes]] = {}

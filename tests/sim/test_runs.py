@@ -191,3 +191,20 @@ def test_storage_moved_before_prepare(strategy: str, profile: str, verdict: str,
         assert r.detail.startswith(where), r.detail
         assert ("nixlNotFoundError" if where == "worker@" else "nixlBackendError") in r.detail
     assert r.faults_fired["storage.move"] >= 1
+
+
+@pytest.mark.parametrize("strategy, verdict, error", [
+    # Re-adding every peer every time is not idempotent once a peer recreated its agent under the same name: the
+    # kept entry has the old connection and NIXL refuses the new one (the reference's fault 6).
+    ("shared-agent", "crash", "nixlNotAllowedError"),
+    # The arena's peer cache keeps the dead connection: the first READ towards the restarted rank fails.
+    ("arena-registry", "crash", "nixlRemoteDisconnectError"),
+    # Fresh agents under fresh names for every communicator: nobody loads the restarted name again.
+    ("per-communicator-agent", "pass", None),
+])
+def test_peer_restarted_under_the_same_name(strategy: str, verdict: str, error: str | None) -> None:
+    r = run("scale-up", strategy=strategy, faults=["peer.restart:rank=1,times=1"])
+    assert r.verdict == verdict, r.detail
+    if error:
+        assert r.detail.startswith("worker@0 (pid 0)") and error in r.detail, r.detail
+    assert r.faults_fired["peer.restart:rank=1,times=1"] == 1

@@ -494,3 +494,19 @@ def test_released_handles_are_remembered_without_their_requests():
     assert raw not in core.xfers and raw in core.released_handles
     with pytest.raises(_bindings.nixlInvalidParamError):
         core.postXferReq(raw)
+
+
+def test_restart_in_place_keeps_the_name_and_the_wrapper_and_changes_the_connection():
+    from fakes.nixl._agent import restart_in_place
+
+    pair = Pair(FakeFabric("dram"))
+    old = pair.a.agent
+    with use_fabric(pair.fabric):
+        new = restart_in_place(old)
+    assert pair.a.agent is new and new.name == old.name == "A" and new.conn != old.conn and old.destroyed
+    assert [(r.addr, r.length) for r in new.regions] == [(pair.t.data_ptr(), N)]
+    with pytest.raises(_bindings.nixlNotAllowedError):  # B kept the old entry: a new connection under that name
+        pair.b.add_remote_agent(pair.a.get_agent_metadata())
+    pair.b.remove_remote_agent("A")
+    pair.b.add_remote_agent(pair.a.get_agent_metadata())
+    assert pair.read_to_done() == "DONE" and torch.equal(pair.u, pair.t)
