@@ -10,6 +10,7 @@ convergence, and shuts down.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ class Cluster:
     def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
                  faults: list[fault_catalogue.Armed] = ()) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
+        self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
         plugins.load(strategy)  # a missing or broken strategy is a one-line error before anything starts
         self.kernel = Kernel(seed)
         m = scenario.model
@@ -327,6 +329,14 @@ class Cluster:
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            # The simulated processes are gone: so are their module instances (their objects stay reachable from
+            # this cluster for the oracles and tests, and die with it).
+            plugins.forget_instances(self._modules_before)
+
+    def _run(self) -> None:
         with fakes.installed(self.fabric), torch_dist.installed():
             self.kernel.spawn("engine", self.engine, pid=-1)
             self.kernel.run()

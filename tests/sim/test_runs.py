@@ -208,3 +208,11 @@ def test_peer_restarted_under_the_same_name(strategy: str, verdict: str, error: 
     if error:
         assert r.detail.startswith("worker@0 (pid 0)") and error in r.detail, r.detail
     assert r.faults_fired["peer.restart:rank=1,times=1"] == 1
+
+
+def test_a_run_leaves_no_module_instances_behind() -> None:
+    """Each simulated process loads its own instance of the strategy's module; a sweep runs thousands of runs in one
+    interpreter, so a finished run takes its instances out of sys.modules."""
+    before = {m for m in sys.modules if "#epsim" in m}
+    run("elastic-cycle", strategy="arena-registry")
+    assert {m for m in sys.modules if "#epsim" in m} == before

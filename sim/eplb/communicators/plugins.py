@@ -18,6 +18,16 @@ BUILTIN = {
 }
 
 _instances = itertools.count()
+FRESH_MARK = "#epsim"  # in the sys.modules names of per-process module instances
+
+
+def forget_instances(keep: set[str]) -> int:
+    """Drop from ``sys.modules`` the per-process module instances not in ``keep`` (a run's own, once it ended):
+    a sweep of thousands of EP64 runs would otherwise keep 64-80 copies of a strategy's module per run."""
+    gone = [name for name in sys.modules if FRESH_MARK in name and name not in keep]
+    for name in gone:
+        del sys.modules[name]
+    return len(gone)
 
 
 def resolve(name: str) -> str:
@@ -46,7 +56,7 @@ def load(name: str, fresh: bool = True) -> Callable:
     if fresh:
         if spec.origin is None or not spec.has_location:
             raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
-        unique = f"{module_name}#epsim{next(_instances)}"
+        unique = f"{module_name}{FRESH_MARK}{next(_instances)}"
         spec = importlib.util.spec_from_file_location(unique, spec.origin)
         module = importlib.util.module_from_spec(spec)
         module.__package__ = module_name.rpartition(".")[0]  # relative imports resolve in the real package
