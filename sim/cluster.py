@@ -48,8 +48,9 @@ _HISTORY_FIELDS = ("agent", "pid", "peer", "op", "nbytes", "why", "sections")
 
 class Cluster:
     def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
-                 faults: list[fault_catalogue.Armed] = ()) -> None:
+                 faults: list[fault_catalogue.Armed] = (), on_progress=None) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
+        self.on_progress = on_progress  # called with (step, simulated seconds) between lifecycle events
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
         plugins.load(strategy)  # a missing or broken strategy is a one-line error before anything starts
         self.kernel = Kernel(seed)
@@ -171,6 +172,8 @@ class Cluster:
         events = list(sc.timeline)
         next_rebalance = sc.eplb.first_rebalance_step
         while self.step < sc.steps:
+            if self.on_progress is not None:
+                self.on_progress(self.step, self.kernel.now())
             self.faults.at_step(self.step)
             if events and events[0].at_step <= self.step:
                 if not self.elastic(events.pop(0)):

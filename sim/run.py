@@ -35,7 +35,8 @@ class Result:
 
 
 def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
-                 faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None) -> Result:
+                 faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
+                 on_progress=None) -> Result:
     """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace."""
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
@@ -49,7 +50,7 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
              for f in scenario.faults]
     armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
     started = time.perf_counter()
-    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed)
+    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress)
     # The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
     # happened, so its log stays quiet.
     nixl_log = logging.getLogger("epsim.fakes.nixl")

@@ -12,8 +12,12 @@ from .run import Result, run_scenario
 
 
 def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism) -> tuple[Result, str | None]:
+    from .progress import RunProgress
+
     sc = scenario_mod.load(name)
-    result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out)
+    with RunProgress(sc.name, sc.steps) as progress:
+        result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out,
+                              on_progress=progress)
     again = None
     if check_determinism:
         again = rerun_hash(name, result, faults)

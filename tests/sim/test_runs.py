@@ -216,3 +216,10 @@ def test_a_run_leaves_no_module_instances_behind() -> None:
     before = {m for m in sys.modules if "#epsim" in m}
     run("elastic-cycle", strategy="arena-registry")
     assert {m for m in sys.modules if "#epsim" in m} == before
+
+
+def test_progress_reports_do_not_touch_the_run() -> None:
+    seen = []
+    with_progress = run_scenario(load("elastic-cycle"), on_progress=lambda step, sim_s: seen.append((step, sim_s)))
+    assert run("elastic-cycle").trace_hash == with_progress.trace_hash
+    assert seen and seen == sorted(seen) and seen[0] == (0, 0.0) and seen[-1][0] < load("elastic-cycle").steps
