@@ -51,7 +51,6 @@ class XferReq:
     fail_after: Any = None
     finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
     due: float = 0.0  # when the bytes will have moved (inf: never)
-    telemetry: dict = field(default_factory=dict)
     nbytes: int = field(init=False, default=0)
     spans: tuple | None = field(init=False, default=None)  # ([(local addr, len)], [(remote addr, len)]) for events
     owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
