@@ -8,7 +8,6 @@ the async EPLB daemon).  The communicator is the code under test; everything els
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,31 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .eplb import move
-from .eplb.state import Placement, check_weights, fill_weights
+from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
 from .faults import WORKER_SITES
-
-
-class StepWindow:
-    """vLLM's expert-load window (the last ``window`` steps), fed with the load of whole chunks of steps.
-
-    The engine serves in chunks, so the window keeps the newest chunks that cover ``window`` steps; the oldest of
-    them may reach further back (a window at chunk granularity).  Unlike a per-step ring buffer it costs a few
-    arrays, not ``window`` of them, which matters at DeepSeek scale (58 x 256 per step per rank).
-    """
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self._chunks: deque[tuple[int, np.ndarray]] = deque()
-        self._steps = 0
-
-    def record(self, steps: int, loads: np.ndarray) -> None:
-        self._chunks.append((steps, np.asarray(loads, dtype=np.int64)))
-        self._steps += steps
-        while len(self._chunks) > 1 and self._steps - self._chunks[0][0] >= self.window:
-            self._steps -= self._chunks.popleft()[0]
-
-    def total(self) -> np.ndarray | int:
-        return sum(loads for _, loads in self._chunks) if self._chunks else 0
 
 
 @dataclass
@@ -71,7 +47,7 @@ class Worker:
         self.comm = None
         self.prepared: tuple[Any, Any] | None = None  # (communicator, group)
         self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
-        self.load = StepWindow(max(1, sc.eplb.window))
+        self.load = LoadWindow(sc.model.layers, sc.model.experts, max(1, sc.eplb.window))
         self._views: dict[tuple[int, int], tuple[list, list]] = {}  # (id(tensor list), row) -> (that list, views)
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
@@ -116,14 +92,13 @@ class Worker:
     def do_serve(self, steps: int, loads: np.ndarray) -> None:
         """``steps`` forward steps: they take simulated time and add this rank's share of the expert load."""
         self.kernel.sleep(steps * self.cluster.scenario.serving.step_time_s, "serving")
-        self.load.record(steps, loads)
+        self.load.record(loads, steps)
 
     def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None) -> None:
         """EPLB rearrange: all-reduce the load, then move every layer through the communicator (in async mode on the
         async EPLB thread, one layer per forward step, while the main thread keeps serving)."""
         self.join_async()
-        m = self.cluster.scenario.model
-        total = torch.from_numpy((np.zeros((m.layers, m.experts)) + self.load.total()).astype(np.float64))
+        total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
         if self.cluster.scenario.eplb.use_async:
             self.async_thread = self.kernel.spawn(self.other_thread_name(), self._move, old, new, mapping, True,

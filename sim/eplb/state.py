@@ -14,6 +14,7 @@ torch is not installed.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -307,15 +308,21 @@ class Placement:
 
 
 class LoadWindow:
-    """vLLM's ``expert_load_window``: the per-step ``[num_layers, num_logical]`` token counts of the last ``window``
-    steps in a ring buffer; :meth:`total` sums what it holds."""
+    """vLLM's ``expert_load_window``: the ``[num_layers, num_logical]`` token counts of the last ``window`` steps,
+    summed by :meth:`total`.
+
+    The simulator serves in chunks of steps, so a record may cover several steps (``steps``); the window keeps the
+    newest records that cover ``window`` steps, and the oldest of them may reach further back (a window at chunk
+    granularity; one step per record is vLLM's ring buffer exactly).  It holds a few arrays, not ``window`` of them,
+    which matters at DeepSeek scale (58 x 256 per step per rank).
+    """
 
     def __init__(self, num_layers: int, num_logical: int, window: int) -> None:
         self.num_layers = _check_int("num_layers", num_layers, 1)
         self.num_logical = _check_int("num_logical", num_logical, 1)
         self.window = _check_int("window", window, 1)
-        self._buf = np.zeros((self.window, self.num_layers, self.num_logical), dtype=np.int64)
-        self._next = 0
+        self._records: deque[tuple[int, np.ndarray]] = deque()
+        self._steps = 0  # steps covered by the records held
         self._recorded = 0
 
     @property
@@ -323,8 +330,9 @@ class LoadWindow:
         """Steps recorded since construction or :meth:`reset` (may exceed ``window``)."""
         return self._recorded
 
-    def record(self, layer_loads: np.ndarray) -> None:
-        """Add one step's load; the oldest step falls out once the window is full."""
+    def record(self, layer_loads: np.ndarray, steps: int = 1) -> None:
+        """Add the load of ``steps`` steps; the oldest records fall out once the newer ones cover the window."""
+        steps = _check_int("steps", steps, 1)
         arr = np.asarray(layer_loads)
         if arr.shape != (self.num_layers, self.num_logical):
             raise EplbError(f"layer_loads must have shape ({self.num_layers}, {self.num_logical}), "
@@ -335,17 +343,22 @@ class LoadWindow:
             raise EplbError("layer_loads must hold whole token counts")
         if np.any(arr < 0):
             raise EplbError("layer_loads must not be negative")
-        self._buf[self._next] = arr.astype(np.int64)
-        self._next = (self._next + 1) % self.window
-        self._recorded += 1
+        self._records.append((steps, arr.astype(np.int64, copy=False)))
+        self._steps += steps
+        self._recorded += steps
+        while len(self._records) > 1 and self._steps - self._records[0][0] >= self.window:
+            self._steps -= self._records.popleft()[0]
 
     def total(self) -> np.ndarray:
         """``[num_layers, num_logical]`` int64: the load summed over the window."""
-        return self._buf.sum(axis=0)
+        out = np.zeros((self.num_layers, self.num_logical), dtype=np.int64)
+        for _, loads in self._records:
+            out += loads
+        return out
 
     def reset(self) -> None:
-        self._buf[:] = 0
-        self._next = 0
+        self._records.clear()
+        self._steps = 0
         self._recorded = 0
 
 

@@ -299,3 +299,16 @@ def test_weight_shape_errors() -> None:
         fill_weights(bad, p, 0)
     assert "shape" in check_weights(bad, p, 0)[0]
     assert check_weights(bad[:1], p, 0) == ["rank 0: weights has 1 layers, placement has 2"]
+
+
+def test_load_window_in_chunks_keeps_the_newest_records_that_cover_the_window() -> None:
+    w = LoadWindow(num_layers=1, num_logical=1, window=1000)
+    for loads, steps in [(1, 600), (10, 600), (100, 300)]:
+        w.record(np.array([[loads]]), steps)
+    assert w.total().tolist() == [[111]]  # without the oldest, 900 steps do not cover 1000: all three stay
+    w.record(np.array([[1000]]), 200)
+    assert w.total().tolist() == [[1110]] and w.num_recorded == 1700
+    w.record(np.array([[5]]), 1000)  # covers the window alone
+    assert w.total().tolist() == [[5]]
+    with pytest.raises(ValueError, match="steps"):
+        w.record(np.array([[1]]), 0)
