@@ -343,7 +343,7 @@ class LoadWindow:
             raise EplbError("layer_loads must hold whole token counts")
         if np.any(arr < 0):
             raise EplbError("layer_loads must not be negative")
-        self._records.append((steps, arr.astype(np.int64, copy=False)))
+        self._records.append((steps, np.array(arr, dtype=np.int64)))  # a snapshot: callers reuse their buffers
         self._steps += steps
         self._recorded += steps
         while len(self._records) > 1 and self._steps - self._records[0][0] >= self.window:
