@@ -184,7 +184,8 @@ class Cluster:
                     return
                 next_rebalance += sc.eplb.step_interval
                 continue
-            stop = min(sc.steps, next_rebalance, events[0].at_step if events else sc.steps)
+            stop = min(sc.steps, next_rebalance, events[0].at_step if events else sc.steps,
+                       self.faults.next_step(self.step))  # a fault is armed at its step, not at the chunk's end
             if not self.serve(stop - self.step):
                 return
         self.faults.heal()

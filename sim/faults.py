@@ -7,6 +7,7 @@ GC sites are consulted by :mod:`sim.gc` whenever a communicator is dropped.  ``e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,11 @@ class FaultPlan:
             board = self.fabric.faults.arm(a.site.removeprefix("nixl."), times=a.times, **kwargs)
             self._nixl_live.append((a, board))
             self.history.record("fault.arm", site=a.site)
+
+    def next_step(self, after: int) -> float:
+        """The step at which the next NIXL fault is armed, if later than ``after`` (inf if none)."""
+        later = [a.at_step for a in self._nixl_pending if a.at_step > after]
+        return min(later) if later else math.inf
 
     def take_gc(self, pid: int, what: str) -> Armed | None:
         return self.take(GC_SITES, pid, what)

@@ -223,3 +223,17 @@ def test_progress_reports_do_not_touch_the_run() -> None:
     with_progress = run_scenario(load("elastic-cycle"), on_progress=lambda step, sim_s: seen.append((step, sim_s)))
     assert run("elastic-cycle").trace_hash == with_progress.trace_hash
     assert seen and seen == sorted(seen) and seen[0] == (0, 0.0) and seen[-1][0] < load("elastic-cycle").steps
+
+
+def test_a_nixl_fault_is_armed_at_its_step_inside_a_serving_chunk() -> None:
+    from sim.cluster import Cluster
+    from sim.faults import parse
+
+    c = Cluster(load("steady"), seed=0, strategy="shared-agent", profile="dram",
+                faults=[parse("nixl.xfer.late:at_step=137,delay=0.5")])
+    c.run()
+    records = list(c.kernel.history.records)
+    c.kernel.close()
+    arm = next(i for i, (_, kind, f) in enumerate(records) if kind == "fault.arm")
+    serving = [f["step"] for _, kind, f in records[:arm] if kind == "engine.serve"]
+    assert serving[-1] < 137 and any(kind == "engine.serve" and f["step"] == 137 for _, kind, f in records[arm:])
