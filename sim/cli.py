@@ -123,6 +123,78 @@ def faults(as_json: bool = typer.Option(False, "--json", help="print one JSON ob
         typer.echo(f"{r['site']:22} {r['description']}  [{', '.join(r['params'])}]")
 
 
+@app.command()
+def sweep(
+    scenario: str = typer.Argument(..., help="a built-in scenario name or a YAML path"),
+    seeds: str = typer.Option(..., help="A:B runs seeds A to B-1 (or one seed N)"),
+    strategy: list[str] = typer.Option([], "--strategy", help="repeatable; default: the scenario's"),
+    profile: list[str] = typer.Option([], "--profile", help="repeatable; default: the scenario's"),
+    fault: list[str] = typer.Option([], "--fault", help="SITE[:k=v,...], armed in every run; repeatable"),
+    swarm: bool = typer.Option(False, "--swarm", help="each seed also arms its own random subset of fault sites"),
+    engine: str = typer.Option("local", help="local (worker processes) or ray"),
+    workers: Optional[int] = typer.Option(None, min=1, help="parallel runs (default: CPU count)"),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: start a local one)"),
+    db: str = typer.Option("epsim-results.db", help="SQLite results database"),
+    bundles: Optional[str] = typer.Option(None, help="folder for failure bundles (default: next to --db)"),
+    resume: bool = typer.Option(False, "--resume", help="skip runs the database already holds"),
+    timeout: Optional[float] = typer.Option(None, min=0.001, help="kill a run after this many wall seconds"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
+) -> None:
+    """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
+    import shlex
+    from pathlib import Path
+
+    from . import engines, resultsdb
+    from . import sweep as sweep_mod
+    from .progress import SweepProgress
+
+    specs = sweep_mod.plan(scenario, sweep_mod.parse_seeds(seeds), strategy, profile, fault, swarm)
+    eng = engines.make(engine, workers, timeout, ray_address)
+    bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
+    command = "epsim sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
+        outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,
+                                      command=command, on_result=progress)
+    payload = {"planned": outcome.planned, "skipped": outcome.skipped, "ran": outcome.ran,
+               "verdicts": outcome.verdicts, "new_signatures": outcome.new_signatures, "bundles": outcome.bundles,
+               "wall_s": round(outcome.wall_s, 3), "runs_per_s": round(outcome.ran / max(outcome.wall_s, 1e-9), 2),
+               "db": db, "engine": engine}
+    if as_json:
+        typer.echo(json.dumps(payload))
+        return
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(outcome.verdicts.items())) or "nothing to run"
+    typer.echo(f"{outcome.ran} runs in {outcome.wall_s:.1f} s ({payload['runs_per_s']} runs/s) on {engine}"
+               + (f", {outcome.skipped} already stored" if outcome.skipped else "") + f": {counts}")
+    for sig, path in zip(outcome.new_signatures, outcome.bundles):
+        typer.echo(f"new failure {sig}: epsim replay {shlex.quote(path)}")
+    typer.echo(f"results in {db}; summary: epsim report {shlex.quote(db)}")
+
+
+@app.command()
+def replay(
+    bundle: str = typer.Argument(..., help="a failure bundle folder (failure.json inside)"),
+    out: Optional[str] = typer.Option(None, help="write the replay's history and trace here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Run a failure bundle again: exit 0 if it gives the same signature and trace hash, 1 if not."""
+    from . import bundle as bundle_mod
+
+    rep = bundle_mod.replay(bundle, out)
+    exp, r = rep.bundle.expected, rep.result
+    payload = {"bundle": bundle, "reproduced": rep.reproduced, "signature": r.signature,
+               "expected_signature": exp["signature"], "trace_hash": r.trace_hash,
+               "expected_trace_hash": exp["trace_hash"], "verdict": r.verdict, "detail": r.detail}
+    if as_json:
+        typer.echo(json.dumps(payload))
+    else:
+        typer.echo(f"{'reproduced' if rep.reproduced else 'NOT reproduced'}: {r.signature} "
+                   f"(expected {exp['signature']}), trace {r.trace_hash} (expected {exp['trace_hash']})")
+        if r.detail:
+            typer.echo(f"detail: {r.detail}")
+    if not rep.reproduced:
+        raise typer.Exit(1)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:

@@ -54,6 +54,7 @@ class Armed:
     site: str
     params: dict[str, Any] = field(default_factory=dict)
     fired: int = 0
+    first_fired_at: float | None = field(default=None, compare=False)  # simulated time of its first firing
 
     @property
     def times(self) -> int | None:
@@ -138,6 +139,8 @@ class FaultPlan:
             if "rank" in a.params and int(a.params["rank"]) != pid:
                 continue
             a.fired += 1
+            if a.first_fired_at is None:
+                a.first_fired_at = self.fabric.now()
             self.history.record("fault.fire", site=a.site, pid=pid, what=what)
             return a
         return None
@@ -147,6 +150,16 @@ class FaultPlan:
         self.healing = True
         self.fabric.faults.disarm_all()
         self.history.record("fault.heal")
+
+    def first_fired(self) -> list[tuple[float, int, Armed]]:
+        """(simulated time of its first firing, position in the armed list, fault) of every fault that fired."""
+        out = [(a.first_fired_at, i, a) for i, a in enumerate(self.armed) if a.first_fired_at is not None]
+        boards = {id(a): board for a, board in self._nixl_live}
+        for i, a in enumerate(self.armed):
+            board = boards.get(id(a))
+            if board is not None and board.first_fired_at is not None:
+                out.append((board.first_fired_at, i, a))
+        return sorted(out, key=lambda x: (x[0], x[1]))
 
     def fired(self) -> dict[str, int]:
         counts = {str(a): a.fired for a in self.armed if a.site in GC_SITES or a.site in WORKER_SITES}

@@ -32,6 +32,7 @@ class Problem:
     invariant: str
     detail: str
     index: int  # position in the history
+    t: float = 0.0  # simulated time it was found at
 
 
 def spans(pids: list[int]) -> str:
@@ -65,7 +66,7 @@ class Oracles:
                                         "transfers": 0, "bytes_moved": 0}
 
     def _problem(self, verdict: str, invariant: str, detail: str) -> None:
-        self.problems.append(Problem(verdict, invariant, detail, len(self.history)))
+        self.problems.append(Problem(verdict, invariant, detail, len(self.history), self.history.now()))
         self.history.record("oracle.violation", verdict=verdict, invariant=invariant, detail=detail)
 
     # -- the fabric's events ----------------------------------------------------------------------------------
@@ -161,17 +162,21 @@ class Oracles:
     def crashed(self, thread: str, pid: int, exc: BaseException, index: int) -> None:
         from fakes.torch_dist import CollectiveTimeout
 
+        now = self.history.now()
         if isinstance(exc, CollectiveTimeout):
-            self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index))
+            self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index, now))
         else:
             self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {type(exc).__name__}: {exc}",
-                                         index))
+                                         index, now))
 
     def stuck(self, detail: str) -> None:
-        self.problems.append(Problem("liveness", "stuck", detail, len(self.history)))
+        self.problems.append(Problem("liveness", "stuck", detail, len(self.history), self.history.now()))
+
+    def first_problem(self) -> Problem | None:
+        return min(self.problems, key=lambda p: p.index) if self.problems else None
 
     def verdict(self) -> tuple[str, str | None, str | None]:
-        if not self.problems:
+        first = self.first_problem()
+        if first is None:
             return "pass", None, None
-        first = min(self.problems, key=lambda p: p.index)
         return first.verdict, first.invariant, first.detail

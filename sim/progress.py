@@ -46,3 +46,36 @@ class RunProgress:
         speed = sim_s / max(now - self._started, 1e-9)
         self._progress.update(self._task, completed=step, sim=f"{sim_s:,.0f} s simulated, {speed:,.0f}x real time")
         self._progress.refresh()
+
+
+class SweepProgress:
+    """Runs done of planned, failures so far, runs per second and time left, on stderr when it is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import TimeRemainingColumn
+
+        console = Console(stderr=True)
+        self.enabled = console.is_terminal
+        self._progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
+                                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                  console=console, transient=False)
+        self._task = self._progress.add_task("sweep", total=total, failures=0, rate="")
+        self._started = _wall()
+        self._done = self._failures = 0
+
+    def __enter__(self) -> SweepProgress:
+        if self.enabled:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._progress.stop()
+
+    def __call__(self, row: dict) -> None:
+        self._done += 1
+        self._failures += row["verdict"] != "pass"
+        if self.enabled:
+            rate = self._done / max(_wall() - self._started, 1e-9)
+            self._progress.update(self._task, advance=1, failures=self._failures, rate=f"{rate:.1f} runs/s")

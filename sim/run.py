@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +31,8 @@ class Result:
     faults_armed: list[str] = field(default_factory=list)
     faults_fired: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    implicated: list[str] = field(default_factory=list)  # armed faults that fired before the failure, first first
+    signature: str | None = None  # how failures are grouped: invariant, strategy, first implicated fault site
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,6 +69,8 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
             out.mkdir(parents=True, exist_ok=True)
             cluster.kernel.history.write_jsonl(out / "history.jsonl")
             cluster.kernel.history.write_perfetto(out / "trace.perfetto.json")
+            tape = cluster.kernel.streams.tape.entries
+            (out / "tape.json").write_text(json.dumps({"seed": seed, "decisions": tape}, default=str) + "\n")
         cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
     finally:
         nixl_log.propagate, nixl_log.handlers = saved
@@ -74,6 +80,27 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
 def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     verdict, invariant, detail = cluster.oracles.verdict()
     history = cluster.kernel.history
+    first = cluster.oracles.first_problem()
+    implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired() if t <= first.t]
     return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                   len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
-                  cluster.faults.fired(), dict(cluster.oracles.metrics))
+                  cluster.faults.fired(), dict(cluster.oracles.metrics), implicated,
+                  signature(verdict, invariant, detail, strategy, implicated))
+
+
+_CRASH_TYPE = re.compile(r"\(pid -?\d+\): ([A-Za-z_][\w.]*):")
+
+
+def signature(verdict: str, invariant: str | None, detail: str | None, strategy: str,
+              implicated: list[str]) -> str | None:
+    """``invariant|strategy|first implicated fault site`` (None for a pass).  A crash names its exception type
+    (``exception:nixlNotAllowedError``): two different exceptions are two different bugs."""
+    if verdict == "pass":
+        return None
+    what = invariant or verdict
+    if verdict == "crash":
+        found = _CRASH_TYPE.search(detail or "")
+        if found:
+            what = f"{what}:{found.group(1)}"
+    site = implicated[0].partition(":")[0] if implicated else "-"
+    return f"{what}|{strategy}|{site}"

@@ -55,6 +55,9 @@ class History:
     def __len__(self) -> int:
         return len(self.records)
 
+    def now(self) -> float:
+        return self._now()
+
     def lines(self) -> Iterable[str]:
         for t, kind, fields in self.records:
             yield json.dumps({"t": round(t, 9), "kind": kind, **fields}, sort_keys=True, default=str)

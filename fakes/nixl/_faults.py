@@ -50,6 +50,7 @@ class ArmedFault:
     times: int | None = None  # how often it may fire; None: every time it matches
     params: dict[str, Any] = field(default_factory=dict)
     fired: int = 0
+    first_fired_at: float | None = None  # fabric time of its first firing
     seen: int = 0  # matches so far, for "at the Nth" parameters
 
     def matches(self, site: str, agent: str | None, peer: str | None) -> bool:
@@ -102,6 +103,9 @@ class FaultBoard:
                 if fault.seen <= int(fault.params.get(nth, 0)):
                     continue
             fault.fired += 1
-            self.fired.append((site, agent, peer, self._now()))
+            now = self._now()
+            if fault.first_fired_at is None:
+                fault.first_fired_at = now
+            self.fired.append((site, agent, peer, now))
             return fault
         return None

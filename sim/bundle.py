@@ -1,0 +1,157 @@
+"""Failure bundles: a folder that reproduces one failing run by itself.
+
+``failure.json`` holds the configuration (seed, strategy, profile, every armed fault as an explicit ``--fault``
+string: swarm draws and the scenario's own faults included), the outcome to reproduce (verdict, signature, trace
+hash), the versions it was found with and the commands that replay it.  Beside it: ``scenario.yaml`` (with its
+``faults`` list emptied, since failure.json lists them all), the decision tape (``tape.json``), the event history
+(``history.jsonl``) and the Perfetto trace.  The history and the tape come from running the configuration again
+while writing the bundle, so writing a bundle also checks that the run is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from . import faults as fault_catalogue
+from . import scenario as scenario_mod
+from .errors import EpsimError
+
+FORMAT = 1
+
+
+class BundleError(EpsimError, ValueError):
+    """A folder that is not a readable failure bundle."""
+
+
+@dataclass
+class Bundle:
+    path: Path
+    data: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.data["config"]
+
+    @property
+    def expected(self) -> dict[str, Any]:
+        return self.data["outcome"]
+
+    def scenario(self):
+        return scenario_mod.load(self.path / "scenario.yaml")
+
+    def faults(self) -> list[fault_catalogue.Armed]:
+        return [fault_catalogue.parse(f) for f in self.config["faults"]]
+
+
+def _versions() -> dict[str, str]:
+    out = {"epsim": __version__, "python": platform.python_version()}
+    for name in ("numpy", "simpy", "greenlet", "torch"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - a version we cannot read is left out
+            pass
+    return out
+
+
+def slug(signature: str) -> str:
+    """``exception:nixlNotFoundError|shared-agent|gc.late`` -> ``exception_nixlNotFoundError__shared-agent__gc.late``"""
+    parts = [p if p != "-" else "nofault" for p in signature.split("|")]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "__".join(parts))[:120]
+
+
+def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faults: list[str],
+                 extra: dict[str, Any] | None = None):
+    """Run the configuration once more with its history written into ``path``, then write failure.json; returns
+    the run's :class:`~sim.run.Result`."""
+    from .run import run_scenario
+
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    bare = scenario_mod.with_overrides(sc, faults=[])
+    scenario_mod.dump(bare, path / "scenario.yaml")
+    result = run_scenario(bare, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=path)
+    fault_args = " ".join(f"--fault {shlex.quote(f)}" for f in faults)
+    data = {
+        "format": FORMAT,
+        "config": {"scenario": sc.name, "seed": seed, "strategy": strategy, "profile": profile,
+                   "faults": list(faults), "elastic_events": len(sc.timeline), "ranks": sc.ranks,
+                   "steps": sc.steps},
+        "outcome": {"verdict": result.verdict, "invariant": result.invariant, "detail": result.detail,
+                    "signature": result.signature, "trace_hash": result.trace_hash, "events": result.events,
+                    "implicated": result.implicated},
+        "versions": _versions(),
+        "replay": f"epsim replay {shlex.quote(str(path))}",
+        "run": (f"epsim run {shlex.quote(str(path / 'scenario.yaml'))} --seed {seed} --strategy "
+                f"{shlex.quote(strategy)} --profile {profile} {fault_args}").strip(),
+        **(extra or {}),
+    }
+    (path / "failure.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def write(spec, row: dict[str, Any], bundles_dir: Path) -> Path:
+    """The bundle of a sweep's failing run ``row`` (its spec ``spec``), in ``bundles_dir``."""
+    sc = spec.load_scenario()
+    path = Path(bundles_dir) / f"{slug(row['signature'])}-seed{spec.seed}"
+    result = write_config(path, sc, seed=spec.seed, strategy=spec.strategy, profile=spec.profile,
+                          faults=list(row["faults_armed"]),
+                          extra={"found_by": {"run_key": row["run_key"], "trace_hash": row["trace_hash"]}})
+    if result.trace_hash != row["trace_hash"] or result.signature != row["signature"]:
+        data = json.loads((path / "failure.json").read_text())
+        data["nondeterministic"] = (f"the sweep's run gave {row['signature']} / {row['trace_hash']}, the run "
+                                    f"that wrote this bundle {result.signature} / {result.trace_hash}")
+        (path / "failure.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load(path: str | Path) -> Bundle:
+    path = Path(path)
+    meta = path / "failure.json"
+    if not meta.is_file():
+        raise BundleError(f"{path}: not a failure bundle (no failure.json)")
+    try:
+        data = json.loads(meta.read_text())
+    except ValueError as exc:
+        raise BundleError(f"{meta}: not valid JSON ({exc})") from None
+    if data.get("format") != FORMAT or "config" not in data or "outcome" not in data:
+        raise BundleError(f"{meta}: not a failure bundle of format {FORMAT}")
+    if not (path / "scenario.yaml").is_file():
+        raise BundleError(f"{path}: scenario.yaml is missing")
+    return Bundle(path, data)
+
+
+@dataclass
+class Replay:
+    bundle: Bundle
+    result: Any  # sim.run.Result
+
+    @property
+    def same_signature(self) -> bool:
+        return self.result.signature == self.bundle.expected["signature"]
+
+    @property
+    def same_trace(self) -> bool:
+        return self.result.trace_hash == self.bundle.expected["trace_hash"]
+
+    @property
+    def reproduced(self) -> bool:
+        return self.same_signature and self.same_trace
+
+
+def replay(path: str | Path, out: str | Path | None = None) -> Replay:
+    from .run import run_scenario
+
+    b = load(path)
+    c = b.config
+    result = run_scenario(b.scenario(), seed=c["seed"], strategy=c["strategy"], profile=c["profile"],
+                          faults=b.faults(), out=out)
+    return Replay(b, result)

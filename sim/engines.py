@@ -1,0 +1,194 @@
+"""Where a sweep's runs execute: worker processes on this machine, or a Ray cluster.
+
+Both engines take :class:`~sim.sweep.RunSpec` s and yield database rows in the order runs finish.  A run that takes
+its worker process down (a segfault, ``os._exit``, the OOM killer) is a ``worker_crash`` row, one that runs past the
+timeout is killed and is a ``timeout`` row, and the sweep goes on with a fresh worker in both cases.
+
+The local engine keeps its own long-lived worker processes instead of a ``concurrent.futures`` pool, whose every
+future fails once one worker dies.  Workers are started with ``spawn`` (torch and greenlet do not survive
+``fork`` reliably) and import the simulator once; a worker whose parent dies sees its pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from multiprocessing.connection import wait
+from typing import Any, Iterable, Iterator
+
+from .errors import BackendUnavailable
+from .sweep import RunSpec, execute, failed_row
+
+
+def _worker_main(conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    while True:
+        try:
+            spec = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if spec is None:
+            return
+        conn.send(execute(spec))
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="epsim-sweep-worker")
+        self.proc.start()
+        child.close()
+        self.spec: RunSpec | None = None
+        self.started = 0.0
+
+    def give(self, spec: RunSpec) -> None:
+        self.spec, self.started = spec, time.monotonic()
+        self.conn.send(spec)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class LocalEngine:
+    name = "local"
+
+    def __init__(self, workers: int | None = None, timeout: float | None = None) -> None:
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.timeout = timeout
+        self._ctx = mp.get_context("spawn")
+
+    def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
+        queue = deque(specs)
+        pool = [_Worker(self._ctx) for _ in range(min(self.workers, len(queue)))]
+        try:
+            for w in pool:
+                if queue:
+                    w.give(queue.popleft())
+            while any(w.spec is not None for w in pool):
+                yield from self._collect(pool, queue)
+        finally:
+            for w in pool:
+                w.kill()
+
+    def _collect(self, pool: list[_Worker], queue: deque) -> Iterator[dict[str, Any]]:
+        busy = [w for w in pool if w.spec is not None]
+        wait_s = None
+        if self.timeout is not None:
+            now = time.monotonic()
+            wait_s = max(0.0, min(w.started + self.timeout - now for w in busy))
+        ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s))
+        for i, w in enumerate(pool):
+            if w.spec is None:
+                continue
+            spec, elapsed = w.spec, time.monotonic() - w.started
+            row = None
+            if w.conn in ready:
+                try:
+                    row = w.conn.recv()
+                except (EOFError, OSError):
+                    row = None
+                if row is None:  # the pipe closed under us: the process died mid-run
+                    w.proc.join(5)
+                    row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), elapsed)
+                    pool[i] = w = self._replace(w)
+            elif w.proc.sentinel in ready:
+                w.proc.join(5)
+                row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), elapsed)
+                pool[i] = w = self._replace(w)
+            elif self.timeout is not None and elapsed >= self.timeout:
+                row = failed_row(spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
+                pool[i] = w = self._replace(w)
+            if row is None:
+                continue
+            w.spec = None
+            if queue:
+                w.give(queue.popleft())
+            yield row
+
+    def _replace(self, w: _Worker) -> _Worker:
+        w.kill()
+        return _Worker(self._ctx)
+
+
+def _death(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"worker process killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"worker process killed by signal {-exitcode}"
+    return f"worker process exited with status {exitcode}"
+
+
+class RayEngine:
+    """The same runs as Ray tasks: ``address`` None starts a local Ray; "auto" or ``ray://...`` joins a cluster."""
+
+    name = "ray"
+
+    def __init__(self, workers: int | None = None, timeout: float | None = None, address: str | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise BackendUnavailable("--engine ray needs Ray: pip install 'epsim[ray]'") from None
+        self.ray = ray
+        self.timeout = timeout
+        self.address = address
+        self.workers = workers
+
+    def _start(self) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return
+        if self.address:
+            ray.init(address=self.address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+
+    def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
+        ray = self.ray
+        self._start()
+        task = ray.remote(num_cpus=1, max_retries=0)(execute)
+        queue = deque(specs)
+        limit = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        running: dict[Any, tuple[RunSpec, float]] = {}
+        while queue or running:
+            while queue and len(running) < limit:
+                spec = queue.popleft()
+                running[task.remote(spec)] = (spec, time.monotonic())
+            wait_s = None
+            if self.timeout is not None:
+                wait_s = max(0.0, min(t + self.timeout for _, t in running.values()) - time.monotonic())
+            done, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
+            for ref in done:
+                spec, t0 = running.pop(ref)
+                yield self._row(ref, spec, time.monotonic() - t0)
+            if self.timeout is not None:
+                for ref, (spec, t0) in list(running.items()):
+                    if time.monotonic() - t0 >= self.timeout:
+                        ray.cancel(ref, force=True)
+                        del running[ref]
+                        yield failed_row(spec, "timeout", f"cancelled after {self.timeout:g} s", time.monotonic() - t0)
+
+    def _row(self, ref, spec: RunSpec, elapsed: float) -> dict[str, Any]:
+        exceptions = self.ray.exceptions
+        try:
+            return self.ray.get(ref)
+        except (exceptions.WorkerCrashedError, exceptions.NodeDiedError, exceptions.ActorDiedError) as exc:
+            return failed_row(spec, "worker_crash", f"Ray worker died: {type(exc).__name__}", elapsed)
+        except exceptions.RayError as exc:
+            return failed_row(spec, "error", f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}", elapsed)
+
+
+def make(name: str, workers: int | None, timeout: float | None, address: str | None = None):
+    if name == "local":
+        return LocalEngine(workers, timeout)
+    if name == "ray":
+        return RayEngine(workers, timeout, address)
+    from .errors import ScenarioError
+
+    raise ScenarioError(f"--engine {name!r}: use local or ray")

@@ -1,0 +1,127 @@
+"""The results database of sweeps: SQLite in WAL mode, one row per run, written as each run finishes.
+
+Every row is committed on its own, so a sweep killed at any moment (SIGKILL included) loses at most the runs that
+were still in flight; ``run_key`` is unique, so a resumed sweep can neither skip a run that was not stored nor store
+one twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from .errors import EpsimError
+
+SCHEMA_VERSION = 1
+
+_COLUMNS = {  # name -> SQL type; JSON columns hold lists and objects
+    "run_key": "TEXT NOT NULL UNIQUE",
+    "sweep_id": "INTEGER",
+    "scenario": "TEXT NOT NULL",
+    "scenario_digest": "TEXT NOT NULL",
+    "seed": "INTEGER NOT NULL",
+    "strategy": "TEXT NOT NULL",
+    "profile": "TEXT NOT NULL",
+    "faults_requested": "TEXT NOT NULL",  # JSON list: --fault strings given to the sweep
+    "swarm": "INTEGER NOT NULL",
+    "verdict": "TEXT NOT NULL",  # pass, safety, liveness, crash; or error, timeout, worker_crash (the run itself)
+    "invariant": "TEXT",
+    "detail": "TEXT",
+    "signature": "TEXT",
+    "trace_hash": "TEXT",
+    "events": "INTEGER",
+    "sim_time_s": "REAL",
+    "wall_s": "REAL",
+    "faults_armed": "TEXT NOT NULL",  # JSON list of SITE:k=v strings actually armed (swarm draws included)
+    "faults_fired": "TEXT NOT NULL",  # JSON object: armed fault -> times fired
+    "implicated": "TEXT NOT NULL",  # JSON list: armed faults that fired before the failure
+    "metrics": "TEXT NOT NULL",  # JSON object
+    "bundle": "TEXT",  # folder of the failure bundle written for this run's signature
+    "finished_at": "REAL NOT NULL",  # Unix time
+}
+_JSON = {"faults_requested", "faults_armed", "faults_fired", "implicated", "metrics"}
+
+
+class DatabaseError(EpsimError, RuntimeError):
+    """The results database cannot be opened or is not one of epsim's."""
+
+
+class ResultsDB:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=30.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a killed process
+            self._create()
+        except sqlite3.DatabaseError as exc:
+            raise DatabaseError(f"{self.path}: not a usable SQLite results database ({exc})") from None
+
+    def _create(self) -> None:
+        cols = ", ".join(f"{name} {kind}" for name, kind in _COLUMNS.items())
+        with self._db:
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if found is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(found[0]) != SCHEMA_VERSION:
+                raise DatabaseError(f"{self.path}: results schema {found[0]}, this epsim reads {SCHEMA_VERSION}")
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, {cols})")
+            self._db.execute("CREATE TABLE IF NOT EXISTS sweeps (id INTEGER PRIMARY KEY, command TEXT NOT NULL, "
+                             "planned INTEGER NOT NULL, started_at REAL NOT NULL)")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> ResultsDB:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------------------------------
+    def new_sweep(self, command: str, planned: int, started_at: float) -> int:
+        with self._db:
+            cur = self._db.execute("INSERT INTO sweeps (command, planned, started_at) VALUES (?, ?, ?)",
+                                   (command, planned, started_at))
+        return int(cur.lastrowid)
+
+    def add(self, row: dict[str, Any]) -> bool:
+        """Store one finished run (committed at once); False if a run with its key is already stored."""
+        values = [json.dumps(row.get(c), sort_keys=True) if c in _JSON else row.get(c) for c in _COLUMNS]
+        marks = ", ".join("?" for _ in _COLUMNS)
+        with self._db:
+            cur = self._db.execute(f"INSERT OR IGNORE INTO runs ({', '.join(_COLUMNS)}) VALUES ({marks})", values)
+        return cur.rowcount == 1
+
+    def set_bundle(self, run_key: str, bundle: str) -> None:
+        with self._db:
+            self._db.execute("UPDATE runs SET bundle=? WHERE run_key=?", (bundle, run_key))
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def keys(self) -> set[str]:
+        return {k for (k,) in self._db.execute("SELECT run_key FROM runs")}
+
+    def signatures(self) -> set[str]:
+        return {s for (s,) in self._db.execute("SELECT DISTINCT signature FROM runs WHERE signature IS NOT NULL")}
+
+    def bundled_signatures(self) -> set[str]:
+        return {s for (s,) in self._db.execute("SELECT DISTINCT signature FROM runs WHERE bundle IS NOT NULL")}
+
+    def count(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+
+    def rows(self, where: str = "", params: Iterable[Any] = ()) -> Iterator[dict[str, Any]]:
+        cur = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY id", tuple(params))
+        for values in cur:
+            yield {c: (json.loads(v) if c in _JSON and v is not None else v) for c, v in zip(_COLUMNS, values)}
+
+
+def open_existing(path: str | Path) -> ResultsDB:
+    """A database that must already exist (``epsim report``): a missing file is an error, not an empty report."""
+    if not Path(path).is_file():
+        raise DatabaseError(f"{path}: no such results database (write one with `epsim sweep ... --db {path}`)")
+    return ResultsDB(path)
