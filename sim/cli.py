@@ -195,6 +195,32 @@ def replay(
         raise typer.Exit(1)
 
 
+@app.command()
+def shrink(
+    bundle: str = typer.Argument(..., help="a failure bundle folder"),
+    out: Optional[str] = typer.Option(None, help="where the shrunk bundle goes (default: BUNDLE-shrunk)"),
+    max_runs: int = typer.Option(200, min=1, help="give up after this many candidate runs"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Minimise a failure bundle (faults, elastic events, ranks, layers, steps) keeping its failure signature."""
+    from . import shrink as shrink_mod
+
+    def show(change: str, kept: bool) -> None:
+        if not as_json:
+            typer.echo(f"  {'removed' if kept else 'kept   '} {change}")
+
+    res = shrink_mod.shrink(bundle, out, max_runs=max_runs, on_step=show)
+    before, after = res.original.size(), res.final.size()
+    names = ("faults", "elastic events", "peak ranks", "layers", "steps")
+    payload = {"bundle": str(res.bundle), "runs": res.runs, "removed": res.removed,
+               "before": dict(zip(names, before)), "after": dict(zip(names, after)), "faults": res.final.faults}
+    if as_json:
+        typer.echo(json.dumps(payload))
+        return
+    typer.echo(f"{res.runs} runs; " + ", ".join(f"{n} {a}->{b}" for n, a, b in zip(names, before, after)))
+    typer.echo(f"shrunk bundle: {res.bundle} (epsim replay {res.bundle})")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:
