@@ -221,6 +221,41 @@ def shrink(
     typer.echo(f"shrunk bundle: {res.bundle} (epsim replay {res.bundle})")
 
 
+@app.command()
+def report(
+    db: str = typer.Argument(..., help="a results database written by epsim sweep"),
+    plots: Optional[str] = typer.Option(None, help="folder for the PNG plots (default: DB stem + -report)"),
+    no_plots: bool = typer.Option(False, "--no-plots", help="tables only"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Summarise a results database: verdicts, failures by signature, fault coverage, plots."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from . import report as report_mod
+    from . import resultsdb
+    from .errors import BackendUnavailable
+
+    with resultsdb.open_existing(db) as database:
+        summary = report_mod.summarise(database)
+    written: list[str] = []
+    if not no_plots:
+        folder = Path(plots) if plots else Path(db).with_name(Path(db).stem + "-report")
+        try:
+            written = [str(p) for p in report_mod.plot(summary, folder)]
+        except BackendUnavailable as exc:
+            if plots:  # asked for by name: an error, not a note
+                raise
+            print(f"epsim: note: {exc}", file=sys.stderr)
+    if as_json:
+        typer.echo(json.dumps({**summary.to_json(), "plots": written}))
+        return
+    report_mod.render(summary, Console())
+    for p in written:
+        typer.echo(f"plot: {p}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:
