@@ -32,7 +32,11 @@ def _worker_main(conn) -> None:
             return  # the parent is gone
         if spec is None:
             return
-        conn.send(execute(spec))
+        row = execute(spec)
+        try:
+            conn.send(row)
+        except (BrokenPipeError, OSError):
+            return  # the parent died while this run went on
 
 
 class _Worker:
