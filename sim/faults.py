@@ -112,8 +112,10 @@ class FaultPlan:
         self._nixl_pending = sorted((a for a in armed if a.site.startswith("nixl.")), key=lambda a: a.at_step)
         self._nixl_live: list[tuple[Armed, Any]] = []
         self.healing = False
+        self.step = 0  # the engine's current forward step: a GC or worker fault applies from its at_step on
 
     def at_step(self, step: int) -> None:
+        self.step = step
         while self._nixl_pending and self._nixl_pending[0].at_step <= step and not self.healing:
             a = self._nixl_pending.pop(0)
             kwargs = {k: v for k, v in a.params.items() if k not in COMMON}
@@ -137,6 +139,8 @@ class FaultPlan:
             if a.site not in sites or (a.times is not None and a.fired >= a.times):
                 continue
             if "rank" in a.params and int(a.params["rank"]) != pid:
+                continue
+            if a.at_step > self.step:
                 continue
             a.fired += 1
             if a.first_fired_at is None:
