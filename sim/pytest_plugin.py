@@ -1,17 +1,76 @@
-"""epsim's pytest plugin (entry point ``pytest11: epsim``): fixtures for testing code against the fakes.
+"""epsim's pytest plugin (entry point ``pytest11: epsim``): fixtures for testing code against the fakes and the
+simulator, tests run on many seeds, and failures that say how to replay them.
 
-It imports nothing heavy at load time (no torch, no NIXL, no simulator): pytest loads it in every session of every
-project that installed epsim.
+- ``fake_nixl``: a fresh fake-NIXL world with the ``nixl._api`` import shims installed;
+- ``epsim_run``: runs a scenario in the simulator (``epsim_run("scale-up", strategy=..., faults=[...])``) with the
+  test's seed and returns its :class:`sim.run.Result`; ``epsim_cluster`` builds a :class:`sim.cluster.Cluster`
+  without running it, for tests that drive or inspect one;
+- ``@pytest.mark.epsim(seeds=20)``: the test runs once per seed (``epsim_seed`` is the seed); ``--epsim-seeds N``
+  or ``--epsim-seeds A:B`` overrides the seeds of every such test;
+- a failing test that ran a simulation gets the command that replays that run, as a report section and in the
+  failure message (which JUnit XML carries).
+
+A fake DeepEP fixture comes with the fake DeepEP.  The plugin imports nothing heavy at load time (no torch, no
+NIXL, no simulator): pytest loads it in every session of every project that installed epsim.
 """
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
+
+_RUNS = pytest.StashKey[list]()
+DEFAULT_SEEDS = 10
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("epsim")
+    group.addoption("--epsim-seeds", default=None, metavar="N|A:B",
+                    help="seeds for tests marked @pytest.mark.epsim: N seeds from 0, or seeds A to B-1")
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nixl_profile(name): the fake NIXL profile for the fake_nixl fixture "
                                        "(dram, cuda, rdma, rocm-strict)")
+    if config.getoption("--epsim-seeds"):
+        _option_seeds(config.getoption("--epsim-seeds"))  # a bad value stops the session before collection
+    config.addinivalue_line("markers", "epsim(seeds=N): run the test once per seed; the epsim_seed fixture is the "
+                                       "seed (--epsim-seeds overrides)")
+
+
+def _option_seeds(text: str) -> list[int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        seeds = list(range(int(lo), int(hi))) if sep else list(range(int(lo)))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise pytest.UsageError(f"--epsim-seeds {text!r}: give N or A:B (A < B)")
+    return seeds
+
+
+def _seeds(config, marker) -> list[int]:
+    text = config.getoption("--epsim-seeds")
+    if text:
+        return _option_seeds(text)
+    spec = marker.kwargs.get("seeds", DEFAULT_SEEDS)
+    return list(spec) if not isinstance(spec, int) else list(range(spec))
+
+
+def pytest_generate_tests(metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("epsim")
+    if marker is None:
+        return
+    seeds = _seeds(metafunc.config, marker)
+    if "epsim_seed" in metafunc.fixturenames:
+        metafunc.parametrize("epsim_seed", seeds, ids=[f"seed={s}" for s in seeds])
+
+
+@pytest.fixture
+def epsim_seed(request) -> int:
+    """The seed of this test (0 unless the test is marked ``@pytest.mark.epsim``)."""
+    return getattr(request, "param", 0)
 
 
 @pytest.fixture
@@ -26,3 +85,67 @@ def fake_nixl(request):
     fabric = FakeFabric(marker.args[0] if marker else "dram")
     with fakes.installed(fabric):
         yield fabric
+
+
+def _runs(request) -> list:
+    return request.node.stash.setdefault(_RUNS, [])
+
+
+@pytest.fixture
+def epsim_run(request, epsim_seed):
+    """``epsim_run(scenario, *, strategy=None, profile=None, faults=(), seed=None)``: one simulated run (the test's
+    seed unless ``seed`` is given); returns its Result and remembers how to replay it."""
+    from sim import scenario as scenario_mod
+    from sim.run import run_scenario
+
+    def run(scenario, *, strategy=None, profile=None, faults=(), seed=None):
+        sc = scenario_mod.load(scenario) if isinstance(scenario, str) else scenario
+        seed = epsim_seed if seed is None else seed
+        result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults))
+        ref = scenario if isinstance(scenario, str) else f"<{sc.name}: write it with sim.scenario.dump>"
+        _runs(request).append(replay_command(ref, result))
+        return result
+
+    return run
+
+
+@pytest.fixture
+def epsim_cluster(epsim_seed):
+    """``epsim_cluster(scenario, *, strategy=None, profile=None, faults=())``: a simulated cluster, not yet run."""
+    from sim import faults as catalogue
+    from sim import scenario as scenario_mod
+    from sim.cluster import Cluster
+
+    def build(scenario, *, strategy=None, profile=None, faults=()):
+        sc = scenario_mod.load(scenario) if isinstance(scenario, str) else scenario
+        return Cluster(sc, seed=epsim_seed, strategy=strategy or sc.strategy, profile=profile or sc.profile,
+                       faults=[catalogue.parse(f) for f in faults])
+
+    return build
+
+
+def replay_command(scenario: str, result) -> str:
+    args = ["epsim", "run", scenario, "--seed", str(result.seed), "--strategy", result.strategy,
+            "--profile", result.profile]
+    for f in result.faults_armed:
+        args += ["--fault", f]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    runs = item.stash.get(_RUNS, None)
+    if report.when == "call" and report.failed and runs:
+        text = f"replay the failing seed's run with: {runs[-1]}"
+        if len(runs) > 1:
+            text += f" ({len(runs)} runs in this test; the last one is shown)"
+        longrepr = report.longrepr
+        crash = getattr(longrepr, "reprcrash", None)
+        if crash is not None:  # the failure message of JUnit XML
+            crash.message = f"{crash.message} [epsim replay: {runs[-1]}]"
+        if hasattr(longrepr, "addsection"):  # the terminal report, and the failure text of JUnit XML
+            longrepr.addsection("epsim replay", text)
+        else:
+            report.sections.append(("epsim replay", text))
+    return report

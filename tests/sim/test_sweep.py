@@ -148,3 +148,18 @@ def test_cli_sweep_bad_input_is_one_line(tmp_path: Path) -> None:
         assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
     done = epsim("replay", str(tmp_path))
     assert done.returncode == 2 and "not a failure bundle" in done.stderr
+
+
+def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one() -> None:
+    pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
+    specs = sweep_mod.plan("scale-up", range(4), ["shared-agent", PCA], ["rocm-strict"], swarm=True)
+    local = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
+             for r in engines.LocalEngine(2).map(specs)}
+    ray_engine = engines.RayEngine(workers=2)
+    try:
+        remote = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
+                  for r in ray_engine.map(specs)}
+    finally:
+        ray_engine.ray.shutdown()
+    assert remote == local and len(local) == 8
+    assert {v for v, *_ in local.values()} >= {"pass", "crash"}

@@ -1,0 +1,59 @@
+"""The pytest plugin, run in a pytest of its own: seeds from the marker and from --epsim-seeds, fixtures, and the
+replay command of a failing seed in the terminal report and in JUnit XML."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+USER_TEST = '''
+import pytest
+
+@pytest.mark.epsim(seeds=3)
+def test_scale_up_survives(epsim_run, epsim_seed):
+    # seed 1 runs the strategy that rocm-strict refuses: that seed fails, the others pass
+    profile = "rocm-strict" if epsim_seed == 1 else "dram"
+    r = epsim_run("scale-up", strategy="per-communicator-agent", profile=profile)
+    assert r.verdict == "pass", r.detail
+
+def test_fixtures(fake_nixl, epsim_cluster):
+    import nixl._api
+    agent = nixl._api.nixl_agent("a", nixl._api.nixl_agent_config(backends=["UCX"]))
+    assert agent.name == "a" and len(fake_nixl.conns) == 1
+    cluster = epsim_cluster("steady")
+    cluster.run()
+    assert cluster.oracles.verdict()[0] == "pass"
+'''
+
+
+def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+                          cwd=folder, capture_output=True, text=True, timeout=300)
+
+
+def test_marker_seeds_fixtures_and_the_replay_command(tmp_path: Path) -> None:
+    (tmp_path / "test_user.py").write_text(USER_TEST)
+    done = _pytest(tmp_path, "--junitxml", "junit.xml")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed, 3 passed" in done.stdout
+    cmd = "epsim run scale-up --seed 1 --strategy per-communicator-agent --profile rocm-strict"
+    assert f"replay the failing seed's run with: {cmd}" in done.stdout
+    failures = [tc for tc in ET.parse(tmp_path / "junit.xml").iter("testcase") if tc.find("failure") is not None]
+    assert [tc.get("name") for tc in failures] == ["test_scale_up_survives[seed=1]"]
+    failure = failures[0].find("failure")
+    assert f"[epsim replay: {cmd}]" in failure.get("message") and cmd in failure.text
+    # the command does replay it
+    again = subprocess.run([sys.executable, "-m", "sim.cli", *cmd.split()[1:], "--json"], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 1 and '"verdict": "crash"' in again.stdout
+
+
+def test_epsim_seeds_option_overrides_the_marker(tmp_path: Path) -> None:
+    (tmp_path / "test_user.py").write_text(USER_TEST)
+    done = _pytest(tmp_path, "--epsim-seeds", "2:4", "-k", "survives", "--collect-only")
+    assert "test_scale_up_survives[seed=2]" in done.stdout and "test_scale_up_survives[seed=3]" in done.stdout
+    assert "seed=0" not in done.stdout and "seed=1" not in done.stdout
+    bad = _pytest(tmp_path, "--epsim-seeds", "x:y", "--collect-only")
+    assert bad.returncode != 0 and "--epsim-seeds 'x:y': give N or A:B" in bad.stderr, bad.stderr
