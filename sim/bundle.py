@@ -129,6 +129,28 @@ def load(path: str | Path) -> Bundle:
     return Bundle(path, data)
 
 
+CORPUS_FILES = ("failure.json", "scenario.yaml", "tape.json")  # what replaying needs (history and trace are big)
+
+
+def save_to_corpus(path: str | Path, corpus: str | Path) -> Path:
+    """Copy the bundle at ``path`` into the regression corpus folder ``corpus`` (the test suite replays every bundle
+    there).  Only what a replay needs is kept, and its commands point at the copy."""
+    b = load(path)
+    target = Path(corpus) / b.path.name
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for name in CORPUS_FILES:
+        if (b.path / name).is_file():
+            shutil.copyfile(b.path / name, target / name)
+    data = dict(b.data)
+    data["replay"] = f"epsim replay {shlex.quote(str(target))}"
+    data["run"] = data["run"].replace(str(b.path / "scenario.yaml"), shlex.quote(str(target / "scenario.yaml")))
+    data.pop("shrunk_from", None)  # a path on the machine that shrank it
+    (target / "failure.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return target
+
+
 @dataclass
 class Replay:
     bundle: Bundle

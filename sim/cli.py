@@ -200,6 +200,8 @@ def shrink(
     bundle: str = typer.Argument(..., help="a failure bundle folder"),
     out: Optional[str] = typer.Option(None, help="where the shrunk bundle goes (default: BUNDLE-shrunk)"),
     max_runs: int = typer.Option(200, min=1, help="give up after this many candidate runs"),
+    corpus: Optional[str] = typer.Option(None, help="also save the shrunk bundle into this regression corpus "
+                                                    "(e.g. tests/corpus, which the test suite replays)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Minimise a failure bundle (faults, elastic events, ranks, layers, steps) keeping its failure signature."""
@@ -209,16 +211,21 @@ def shrink(
         if not as_json:
             typer.echo(f"  {'removed' if kept else 'kept   '} {change}")
 
+    from . import bundle as bundle_mod
+
     res = shrink_mod.shrink(bundle, out, max_runs=max_runs, on_step=show)
+    saved = str(bundle_mod.save_to_corpus(res.bundle, corpus)) if corpus else None
     before, after = res.original.size(), res.final.size()
     names = ("faults", "elastic events", "peak ranks", "layers", "steps")
-    payload = {"bundle": str(res.bundle), "runs": res.runs, "removed": res.removed,
+    payload = {"bundle": str(res.bundle), "runs": res.runs, "removed": res.removed, "corpus": saved,
                "before": dict(zip(names, before)), "after": dict(zip(names, after)), "faults": res.final.faults}
     if as_json:
         typer.echo(json.dumps(payload))
         return
     typer.echo(f"{res.runs} runs; " + ", ".join(f"{n} {a}->{b}" for n, a, b in zip(names, before, after)))
     typer.echo(f"shrunk bundle: {res.bundle} (epsim replay {res.bundle})")
+    if saved:
+        typer.echo(f"saved to the regression corpus: {saved}")
 
 
 @app.command()
