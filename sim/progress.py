@@ -58,7 +58,8 @@ class SweepProgress:
         self.enabled = console.is_terminal
         self._progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
-                                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                  TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(),
+                                  TextColumn("left"),
                                   console=console, transient=False)
         self._task = self._progress.add_task("sweep", total=total, failures=0, rate="")
         self._started = _wall()

@@ -163,3 +163,16 @@ def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one() 
         ray_engine.ray.shutdown()
     assert remote == local and len(local) == 8
     assert {v for v, *_ in local.values()} >= {"pass", "crash"}
+
+
+def test_ray_engine_records_crashed_and_hung_runs() -> None:
+    pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
+    specs = (sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:crash_process"])
+             + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
+             + sweep_mod.plan("steady", range(1), ["shared-agent"]))
+    ray_engine = engines.RayEngine(workers=2, timeout=15)
+    try:
+        rows = {r["run_key"]: r for r in ray_engine.map(specs)}
+    finally:
+        ray_engine.ray.shutdown()
+    assert [rows[s.key]["verdict"] for s in specs] == ["worker_crash", "timeout", "pass"]
