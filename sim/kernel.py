@@ -53,6 +53,7 @@ class SimThread:
         self.result: Any = None
         self.exception: BaseException | None = None
         self.done = kernel.env.event()
+        self.resume: Callable[[Any], None] | None = None  # set by the kernel when it schedules the first run
 
     def __repr__(self) -> str:
         where = f" on {self.blocked_on}" if self.state == "blocked" and self.blocked_on else ""
@@ -75,7 +76,9 @@ class Kernel:
         self.seed = seed
         self.streams = Streams(seed, tape)
         sched = self.streams.get("schedule", record=False)
-        self.env = _Env(sched.random if tiebreak else None)
+        # The generator's own method: tie-breaks are not recorded, and one draw per scheduled event is the
+        # kernel's hottest call.
+        self.env = _Env(sched.raw().random if tiebreak else None)
         self.history = History(self.now)
         self.threads: list[SimThread] = []
         self.crashes: list[tuple[SimThread, BaseException]] = []
@@ -95,52 +98,67 @@ class Kernel:
               **kwargs: Any) -> SimThread:
         th = SimThread(self, name, pid, fn, args, kwargs, daemon)
         self.threads.append(th)
-        self.env.process(self._drive(th))
+        self._start(th)
         self.history.record("thread.start", thread=name, pid=pid)
         return th
 
     def current(self) -> SimThread | None:
         return self._current
 
-    def _drive(self, th: SimThread):
-        """The SimPy process behind a thread: resume its greenlet, wait for what it blocks on, repeat."""
-        if th.state == "killed":
-            return
-        th.glet = greenlet(run=lambda: th._fn(*th._args, **th._kwargs), parent=greenlet.getcurrent())
-        value: Any = None
-        error: BaseException | None = None
-        started = False
+    def _start(self, th: SimThread) -> None:
+        """Schedule the thread's first run, as SimPy schedules a new process (an urgent event, now)."""
+        ev = simpy.events.Event(self.env)
+        ev._ok, ev._value = True, None
+        th.resume = lambda event: self._step(th, event)  # made once: the callback of every wait of the thread
+        ev.callbacks.append(lambda _e: self._step(th, None))
+        self.env.schedule(ev, simpy.core.URGENT)
+
+    def _step(self, th: SimThread, event: simpy.events.Event | None) -> None:
+        """Resume ``th`` with what ``event`` gave (its first run when None) and let it run to its next wait.
+
+        Threads are driven by event callbacks, not by a SimPy process each: a wait registers this method on the
+        event it blocks on, and the event firing resumes the greenlet.  The schedule is the one a process-driven
+        kernel makes (same events, same order, same tie-break draws), so histories do not depend on it."""
         while True:
-            if th.state == "killed":
+            if th.state == "killed":  # never runs another line; kept in _zombies so its frames never unwind
+                self._ended()
                 return
-            self._current, th.state = th, "running"
+            self._current = th
+            th.state = "running"
+            glet = th.glet
             try:
-                if not started:
-                    started = True
-                    request = th.glet.switch()  # the first switch starts the function (with no argument)
-                elif error is not None:
-                    request = th.glet.throw(error)
+                if glet is None:  # the first run starts the function
+                    glet = th.glet = greenlet(run=lambda: th._fn(*th._args, **th._kwargs), parent=self._hub)
+                    request = glet.switch()
+                elif event._ok:
+                    request = glet.switch(event._value)
                 else:
-                    request = th.glet.switch(value)
+                    event._defused = True  # delivered into the thread: it decides what the failure means
+                    request = glet.throw(event._value)
             except BaseException as exc:  # noqa: BLE001 - the thread died with it: that is a finding
                 self._current = None
                 self._thread_failed(th, exc)
+                self._ended()
                 return
             self._current = None
-            if th.glet.dead:
+            if glet.dead:
                 th.state, th.result = "done", request
                 th.done.succeed(request)
                 self.history.record("thread.end", thread=th.name, pid=th.pid)
+                self._ended()
                 return
             th.state = "blocked"
-            try:
-                value, error = (yield request), None
-            except GeneratorExit:  # the world is being torn down (its processes collected): not the thread's fault
-                raise
-            except BaseException as exc:  # noqa: BLE001 - delivered into the thread
-                value, error = None, exc
-            if th.state == "killed":
+            if request.callbacks is not None:
+                request.callbacks.append(th.resume)
                 return
+            event = request  # already processed: resume at once, as a SimPy process does
+
+    def _ended(self) -> None:
+        # A finished SimPy process is itself an event scheduled at its end; keeping that (empty) event keeps the
+        # tie-break stream, and so every later same-time ordering, what it was when threads were processes.
+        ev = simpy.events.Event(self.env)
+        ev._ok, ev._value = True, None
+        self.env.schedule(ev)
 
     def _thread_failed(self, th: SimThread, exc: BaseException) -> None:
         th.state, th.exception = "failed", exc
@@ -155,14 +173,15 @@ class Kernel:
         th = self._current
         if th is None or self._hub is None:
             raise BlockingOutsideThread(f"blocking call ({what or 'wait'}) outside a simulated thread")
-        th.blocked_on = what
-        try:
-            return self._hub.switch(event)
-        finally:
-            th.blocked_on = ""
+        th.blocked_on = what  # read only while the thread is blocked; the next wait overwrites it
+        return self._hub.switch(event)
 
     def sleep(self, seconds: float, what: str = "sleep") -> None:
-        self.wait(self.env.timeout(max(0.0, seconds)), what)
+        th = self._current
+        if th is None or self._hub is None:
+            raise BlockingOutsideThread(f"blocking call ({what}) outside a simulated thread")
+        th.blocked_on = what
+        self._hub.switch(simpy.events.Timeout(self.env, seconds if seconds > 0.0 else 0.0))
 
     def wait_for(self, event: simpy.events.Event, timeout: float, what: str = "") -> tuple[bool, Any]:
         """(True, value) if ``event`` fired within ``timeout`` simulated seconds, else (False, None)."""
