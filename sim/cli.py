@@ -263,6 +263,40 @@ def report(
         typer.echo(f"plot: {p}")
 
 
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="smaller workloads (about two minutes instead of ten)"),
+    only: list[str] = typer.Option([], "--only", help="measure only this figure (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object with a key per figure"),
+) -> None:
+    """Measure epsim's speed figures, each against a baseline of the same run, and compare them with targets."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        from benchmarks import suite
+    except ImportError:
+        raise EpsimError("epsim bench runs from a source checkout (the benchmarks/ folder beside sim/)") from None
+    unknown = [o for o in only if o not in suite.TARGETS]
+    if unknown:
+        raise EpsimError(f"--only {unknown[0]!r}: figures are {', '.join(suite.TARGETS)}")
+
+    def progress(name: str, figure: dict, seconds: float) -> None:
+        print(f"bench: {name} measured in {seconds:.0f} s", file=sys.stderr)
+
+    results = suite.run(quick, only or None, on_figure=progress)
+    if as_json:
+        typer.echo(json.dumps(results))
+        return
+    table = Table(title="epsim bench" + (" --quick" if quick else ""))
+    for col in ("figure", "measured", "target", "met"):
+        table.add_column(col, overflow="fold")
+    for name in suite.TARGETS:
+        if name in results:
+            table.add_row(*suite.line(name, results[name]))
+    Console(width=max(120, Console().width)).print(table)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     try:

@@ -1,0 +1,104 @@
+"""Sweep throughput and time to detect.
+
+Throughput: runs per second of ``scale-up`` seeds through the sweep machinery (engine, results database) on one and
+on two local workers, and through a local Ray cluster, against the same runs in one plain in-process loop.
+
+Time to detect: for each deliberately broken strategy (:mod:`benchmarks.strategies`), swarm seeds of
+``elastic-cycle`` are run in order until the broken copy fails on a seed where the careful strategy it was broken
+from passes; that count, over several independent seed sequences, gives the median.  The first detected failure of
+each sequence is shrunk, and the size of the shrunk schedule (armed faults) is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _plain(specs) -> float:
+    from sim.sweep import execute
+
+    started = time.perf_counter()
+    for spec in specs:
+        execute(spec)
+    return len(specs) / (time.perf_counter() - started)
+
+
+def _through(specs, engine) -> float:
+    from sim import resultsdb
+    from sim.sweep import run_sweep
+
+    with tempfile.TemporaryDirectory() as tmp, resultsdb.ResultsDB(Path(tmp) / "bench.db") as db:
+        started = time.perf_counter()
+        out = run_sweep(specs, db, engine, resume=False, bundles_dir=Path(tmp) / "bundles", command="bench")
+        assert out.ran == len(specs)
+        return len(specs) / (time.perf_counter() - started)
+
+
+def throughput(quick: bool = False) -> dict[str, Any]:
+    from sim import engines
+    from sim.sweep import plan
+
+    n = 40 if quick else 200
+    specs = plan("scale-up", range(n))
+    plain = _plain(specs)
+    one = _through(plan("scale-up", range(n, 2 * n)), engines.LocalEngine(1))
+    two = _through(plan("scale-up", range(2 * n, 3 * n)), engines.LocalEngine(2))
+    out = {"runs": n, "plain_runs_per_s": round(plain, 2), "local1_runs_per_s": round(one, 2),
+           "local2_runs_per_s": round(two, 2), "overhead": round(1 - one / plain, 3),
+           "parallel_efficiency": round(two / (2 * one), 3)}
+    try:
+        ray_engine = engines.RayEngine(workers=2)
+    except Exception:  # noqa: BLE001 - Ray is an extra
+        out["ray_runs_per_s"] = None
+        return out
+    try:
+        ray_engine._start()
+        out["ray_runs_per_s"] = round(_through(plan("scale-up", range(3 * n, 4 * n)), ray_engine), 2)
+    finally:
+        ray_engine.ray.shutdown()
+    return out
+
+
+def _first_detection(strategy: str, seeds: range) -> tuple[int | None, Any]:
+    """(seeds run until detection, the detecting spec) or (None, None) if none in ``seeds`` detects."""
+    from benchmarks.strategies import CAREFUL
+    from sim.sweep import RunSpec, execute, plan
+
+    template = plan("elastic-cycle", range(1), [strategy], swarm=True)[0]
+    for i, seed in enumerate(seeds, 1):
+        broken = RunSpec(template.scenario, template.scenario_yaml, seed, strategy, template.profile, (), True)
+        row = execute(broken)
+        if row["verdict"] == "pass":
+            continue
+        careful = RunSpec(template.scenario, template.scenario_yaml, seed, CAREFUL, template.profile, (), True)
+        if execute(careful)["verdict"] == "pass":
+            return i, (broken, row)
+    return None, None
+
+
+def time_to_detect(quick: bool = False) -> dict[str, Any]:
+    from benchmarks.strategies import BROKEN
+    from sim import bundle, shrink
+
+    trials = 3 if quick else 7
+    limit = 60
+    out: dict[str, Any] = {}
+    for name, strategy in BROKEN.items():
+        counts, shrunk = [], None
+        for t in range(trials):
+            found, detected = _first_detection(strategy, range(10_000 * (t + 1), 10_000 * (t + 1) + limit))
+            counts.append(found if found is not None else limit + 1)
+            if detected is not None and shrunk is None:
+                spec, row = detected
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = bundle.write(spec, row, Path(tmp))
+                    res = shrink.shrink(path, Path(tmp) / "shrunk", max_runs=60)
+                    shrunk = {"faults_before": len(row["faults_armed"]), "faults_after": len(res.final.faults),
+                              "elastic_events_after": len(res.final.scenario.timeline), "signature": row["signature"]}
+        out[name] = {"strategy": strategy, "seeds_to_detect": counts, "median": statistics.median(counts),
+                     "limit": limit, "shrunk": shrunk}
+    return out
