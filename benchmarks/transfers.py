@@ -1,7 +1,7 @@
 """Real transfers: NIXL READ throughput for expert-sized transfers against a torch copy of the same bytes.
 
-Two real NIXL agents in this process (UCX on host memory, as CI has it), one READ of S bytes at a time from one
-agent's registered tensor into the other's, posted and polled to DONE, against ``dst.copy_(src)`` of the same
+A real NIXL agent in this process READs S bytes at a time from an agent in a child process (UCX on host memory, as
+CI has it), posted and polled to DONE, against ``dst.copy_(src)`` of the same
 bytes in the same process, on one torch thread: NIXL's progress thread spins on a core, and a two-thread torch copy
 on a two-core machine then waits for its second thread (medians of 0.1 to 60 GB/s for the same 1 MiB copy).  Sizes 1 MiB to 64 MiB.  On a GPU the same is done with VRAM tensors on two devices
 against a torch peer copy (``gpu`` only; not measured without one).
@@ -36,9 +36,7 @@ def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu") ->
     from real_backends.nixl_real import import_real_nixl
 
     api, _, package = import_real_nixl()
-    for name in list(logging.root.manager.loggerDict):  # its INFO lines go to stdout, where --json prints
-        if name.startswith(("nixl", package)):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet(package)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -47,47 +45,100 @@ def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu") ->
         torch.set_num_threads(threads)
 
 
+def _quiet(package: str) -> None:
+    """NIXL's INFO lines go to stdout, where ``--json`` prints."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("nixl", package)):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _pattern(nbytes: int, device: str):
+    import torch
+
+    return (torch.arange(nbytes, dtype=torch.int64, device=device) % 251).to(torch.uint8)
+
+
+def _owner(conn, package: str, sizes_mib, device: str) -> None:
+    """The peer process: an agent that registers one tensor per size and answers the reader's READs."""
+    import importlib
+
+    import torch
+
+    api = importlib.import_module(f"{package}._api")
+    _quiet(package)
+    agent = api.nixl_agent("bench-owner", api.nixl_agent_config(backends=["UCX"]))
+    for mib in sizes_mib:
+        src = _pattern(mib * MIB, device)
+        if src.is_cuda:
+            torch.cuda.synchronize()  # the kernels that fill it are asynchronous; a READ must find it filled
+        reg = agent.register_memory([src])
+        conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
+        conn.recv()  # the reader is done with this size
+        agent.deregister_memory(reg)
+    conn.close()
+
+
 def _measure(api, package: str, sizes_mib, repeats: int, device: str) -> dict[str, Any]:
+    import multiprocessing as mp
+
     import torch
 
     mem = "VRAM" if device == "cuda" else "DRAM"
-    dev_a, dev_b = ("cuda:0", "cuda:1") if device == "cuda" else ("cpu", "cpu")
-    cfg = api.nixl_agent_config(backends=["UCX"])
-    reader, owner = api.nixl_agent("bench-reader", cfg), api.nixl_agent("bench-owner", cfg)
-    out: dict[str, Any] = {"package": package, "memory": mem, "sizes": {}}
-    for mib in sizes_mib:
-        nbytes = mib * MIB
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev_b)
-        dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev_a)
-        reg_src, reg_dst = owner.register_memory([src]), reader.register_memory([dst])
-        reader.add_remote_agent(owner.get_agent_metadata())
-        local = reader.prep_xfer_dlist("NIXL_INIT_AGENT", [dst], mem)
-        remote = reader.prep_xfer_dlist(owner.name, reader.get_xfer_descs([(src.data_ptr(), nbytes, max(
-            src.get_device(), 0))], mem), mem)
-
-        def nixl_read() -> None:
-            xfer = reader.make_prepped_xfer("READ", local, [0], remote, [0])
-            state = reader.transfer(xfer)
-            while state != "DONE":
-                state = reader.check_xfer_state(xfer)
-                if state not in ("PROC", "DONE"):
-                    raise RuntimeError(f"READ failed: {state}")
-            reader.release_xfer_handle(xfer)
-
-        def torch_copy() -> None:
-            dst.copy_(src)
-            if device == "cuda":
+    dev_a, dev_b = "cpu", "cpu"
+    if device == "cuda":
+        dev_a, dev_b = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+    # The owner is another process, as every rank is in vLLM (UCX then takes its inter-process paths: cma or shared
+    # memory on the host, CUDA IPC between GPUs); the torch baseline copies in this process.
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    owner = ctx.Process(target=_owner, args=(child_end, package, tuple(sizes_mib), dev_b), daemon=True)
+    owner.start()
+    reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))
+    out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
+    try:
+        for mib in sizes_mib:
+            nbytes = mib * MIB
+            metadata, addr, dev_id = conn.recv()
+            src = _pattern(nbytes, dev_b)  # the same bytes, for the torch baseline
+            dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev_a)
+            if dst.is_cuda:
+                # torch fills dst on its own stream; a READ's copy runs on UCX's, and a zero-fill still queued
+                # behind the pattern kernels above would land after the READ (seen on one H200: DONE, zeros).
                 torch.cuda.synchronize()
+            reg_dst = reader.register_memory([dst])
+            name = reader.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            local = reader.prep_xfer_dlist("NIXL_INIT_AGENT", [dst], mem)
+            remote = reader.prep_xfer_dlist(name, reader.get_xfer_descs([(addr, nbytes, dev_id)], mem), mem)
 
-        nixl_read()
-        assert torch.equal(dst, src), "the READ did not move the bytes"
-        nixl_rate, copy_rate = _rates([nixl_read, torch_copy], nbytes, repeats)
-        out["sizes"][f"{mib}MiB"] = {"nixl_GBps": round(nixl_rate / 1e9, 2), "torch_GBps": round(copy_rate / 1e9, 2),
-                                     "ratio": round(nixl_rate / copy_rate, 3)}
-        reader.release_dlist_handle(local)
-        reader.release_dlist_handle(remote)
-        reader.remove_remote_agent(owner.name)
-        reader.deregister_memory(reg_dst)
-        owner.deregister_memory(reg_src)
+            def nixl_read() -> None:
+                xfer = reader.make_prepped_xfer("READ", local, [0], remote, [0])
+                state = reader.transfer(xfer)
+                while state != "DONE":
+                    state = reader.check_xfer_state(xfer)
+                    if state not in ("PROC", "DONE"):
+                        raise RuntimeError(f"READ failed: {state}")
+                reader.release_xfer_handle(xfer)
+
+            def torch_copy() -> None:
+                dst.copy_(src)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+
+            nixl_read()
+            assert torch.equal(dst, src.to(dst.device)), "the READ did not move the bytes"
+            nixl_rate, copy_rate = _rates([nixl_read, torch_copy], nbytes, repeats)
+            out["sizes"][f"{mib}MiB"] = {"nixl_GBps": round(nixl_rate / 1e9, 2),
+                                         "torch_GBps": round(copy_rate / 1e9, 2),
+                                         "ratio": round(nixl_rate / copy_rate, 3)}
+            reader.release_dlist_handle(local)
+            reader.release_dlist_handle(remote)
+            reader.remove_remote_agent(name)
+            reader.deregister_memory(reg_dst)
+            conn.send("next")
+    finally:
+        owner.join(30)
+        if owner.is_alive():
+            owner.kill()
     out["min_ratio"] = min(v["ratio"] for v in out["sizes"].values())
     return out

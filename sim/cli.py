@@ -267,6 +267,7 @@ def report(
 def bench(
     quick: bool = typer.Option(False, "--quick", help="smaller workloads (about two minutes instead of ten)"),
     only: list[str] = typer.Option([], "--only", help="measure only this figure (repeatable)"),
+    device: str = typer.Option("cpu", help="real_transfers on cpu (host memory) or cuda (VRAM, two GPUs if there)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object with a key per figure"),
 ) -> None:
     """Measure epsim's speed figures, each against a baseline of the same run, and compare them with targets."""
@@ -284,7 +285,9 @@ def bench(
     def progress(name: str, figure: dict, seconds: float) -> None:
         print(f"bench: {name} measured in {seconds:.0f} s", file=sys.stderr)
 
-    results = suite.run(quick, only or None, on_figure=progress)
+    if device not in ("cpu", "cuda"):
+        raise EpsimError(f"--device {device!r}: use cpu or cuda")
+    results = suite.run(quick, only or None, on_figure=progress, device=device)
     if as_json:
         typer.echo(json.dumps(results))
         return

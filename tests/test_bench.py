@@ -1,0 +1,63 @@
+"""``epsim bench``: the figures' shape (a quick run of the cheap ones), and the strategies of the time-to-detect
+figure doing what they claim: the careful one survives what its fixes are for, each broken copy fails its way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import kernel, simulation
+from benchmarks.strategies import BROKEN, CAREFUL
+from sim.run import run_scenario
+from sim.scenario import load
+
+
+def test_kernel_workload_is_the_same_on_both_sides() -> None:
+    waits_simpy, _ = kernel.bare_simpy(16, 30, 10)
+    waits_kernel, _ = kernel.greenlet_kernel(16, 30, 10)
+    assert waits_simpy == waits_kernel == 16 * 30 + 16 * 3
+
+
+def test_scaling_shape_grows_with_ranks() -> None:
+    small, large = simulation.shape(8), simulation.shape(16)
+    assert (small.ranks, small.model.experts, large.model.experts) == (8, 32, 64)
+    assert small.timeline[0].to == 9 and large.timeline[0].to == 18
+
+
+def test_bench_json_has_a_key_per_figure_with_target_and_verdict() -> None:
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--only", "kernel_overhead",
+                           "--only", "scaling", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"quick", "kernel_overhead", "scaling"}
+    assert out["kernel_overhead"]["target"] == ">= 0.5" and out["kernel_overhead"]["met"] in (True, False)
+    assert 0 < out["kernel_overhead"]["64"]["ratio"] < 2 and out["kernel_overhead"]["1024"]["waits"] > 0
+    assert [p["ranks"] for p in out["scaling"]["points"]] == [8, 16, 32, 64]
+    assert all(p["verdict"] == "pass" for p in out["scaling"]["points"])
+    bad = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--only", "speed"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "figures are kernel_overhead" in bad.stderr
+
+
+@pytest.mark.parametrize("fault", [None, "storage.move", "gc.thread"])
+def test_careful_strategy_survives_what_its_fixes_are_for(fault) -> None:
+    r = run_scenario(load("elastic-cycle"), strategy=CAREFUL, faults=[fault] if fault else [])
+    assert r.verdict == "pass", r.detail
+
+
+def test_careful_strategy_still_leaves_departed_peers_loaded_while_its_finalizer_is_delayed() -> None:
+    r = run_scenario(load("scale-down"), strategy=CAREFUL, faults=["gc.late:delay_s=2"])
+    assert (r.verdict, r.invariant) == ("safety", "stale_peer")
+
+
+@pytest.mark.parametrize("name, fault, expected", [
+    ("finalizer deregisters shared memory", None, ("crash", "exception")),
+    ("reused agent never re-registers moved storage", "storage.move", ("crash", "exception")),
+    ("peer cache never cleaned", None, ("safety", "stale_peer")),
+])
+def test_each_broken_copy_fails_its_way(name, fault, expected) -> None:
+    r = run_scenario(load("elastic-cycle"), strategy=BROKEN[name], faults=[fault] if fault else [])
+    assert (r.verdict, r.invariant) == expected, r.detail
