@@ -1,0 +1,449 @@
+"""A drop-in for ``deep_ep.Buffer`` (v1 API) inside the simulation: lifecycle, collective semantics and real
+dispatch/combine math on CPU tensors.
+
+Facts reproduced (``../shared/reference/deep_ep.md``): the constructor's exchanges (device ids, IPC handles, and for
+RDMA or low-latency mode an NVSHMEM unique id) over the group, then the collective ``sync`` that makes the buffer
+AVAILABLE; NVSHMEM only for RDMA or LL (the intranode high-throughput path never touches it); ``destroy()`` asserts
+``explicitly_destroy``, is collective, finalizes NVSHMEM, and leaves ``runtime`` None so any later call raises
+``AttributeError``; the destructor runs the collective destroy when the flag is off and only warns (LEAKED) when it is
+on; low-latency calls alternate two buffers, so every rank must issue the same sequence; ``clean_low_latency_buffer``
+is collective and required after high-throughput use before LL; a handle belongs to the buffer (and EP size) that
+made it.  A collective some rank never reaches fails the others as DeepEP does (:class:`DeepEPTimeout`).
+
+Experts are split contiguously: rank ``r`` holds experts ``[r*E/R, (r+1)*E/R)``.  Tokens arrive ordered by source
+rank, then token index (the real kernels' order is not specified; the counts and the combined result are).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from fakes import torch_dist
+
+from . import _nvshmem
+from ._team import DeepEPTimeout, Team
+
+NUM_MAX_NVL_PEERS = 8
+CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
+    "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
+_created: dict[tuple[int, int], int] = {}  # (rendezvous id, rank) -> buffers made on it: the k-th ones share a team
+_teams: dict[tuple[int, int], Team] = {}
+_static_team_owner: dict[tuple[int, int], Any] = {}  # (kernel id, pid) -> LL buffer holding cpu_rdma_team
+
+
+class EventOverlap:
+    """DeepEP's event wrapper; CPU tensors complete at once."""
+
+    def __init__(self, event: Any = None, extra_tensors: Any = None) -> None:
+        self.event, self.extra_tensors = event, extra_tensors
+
+    def current_stream_wait(self) -> None:
+        pass
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Handle:
+    """What dispatch returns for combine: bound to the buffer (and EP size) that made it."""
+
+    team: int
+    ep_size: int
+    rank: int
+    low_latency: bool
+    layout: Any  # HT: per source rank, the token indices received; LL: per local expert, (src rank, token) pairs
+    num_tokens: int  # tokens this rank dispatched
+    seq: int  # LL: the buffer-use number, to find a reused receive buffer
+
+
+class _Runtime:
+    """Stands for the C++ object: ``runtime`` is None after destroy, and every call then fails as DeepEP's do."""
+
+
+class Buffer:
+    num_sms: int = 20
+
+    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None) -> None:
+        self.state = CONSTRUCTING
+        self.runtime: Optional[_Runtime] = None
+        self.explicitly_destroy = explicitly_destroy
+        if comm is not None:
+            raise NotImplementedError("the fake DeepEP takes a (fake) torch ProcessGroup, not an mpi4py communicator")
+        if not isinstance(group, torch_dist.FakeProcessGroup):
+            raise TypeError("the fake DeepEP Buffer needs a fake process group (fakes.torch_dist) inside the "
+                            "simulation")
+        self.group = group
+        self.rank, self.group_size = group.rank(), group.size()
+        rdv = group.rendezvous
+        self._kernel = rdv.kernel
+        self._pid = rdv.pids[self.rank]
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.enable_shrink = enable_shrink
+        self._ll_parity = 0
+        self._ll_uses = 0
+        self._needs_clean = False
+        self._nvshmem: _nvshmem.World | None = None
+        self._nvshmem_size: int | None = None
+
+        # The C++ constructor is local; then device ids and IPC handles are exchanged over the group.
+        key = (id(rdv), self.rank)
+        k = _created.get(key, 0)
+        _created[key] = k + 1
+        team = _teams.get((id(rdv), k))
+        if team is None:
+            team = _teams[(id(rdv), k)] = Team(self._kernel, rdv.pids, f"{rdv.name}/deep_ep#{k}")
+        device_ids: list[Any] = [None] * self.group_size
+        torch_dist.all_gather_object(device_ids, self._pid, group=group)
+        handles: list[Any] = [None] * self.group_size
+        torch_dist.all_gather_object(handles, team.id, group=group)
+        if len(set(handles)) != 1:
+            raise RuntimeError(f"DeepEP: ranks of {rdv.name} opened different buffers' IPC handles: {handles}")
+        self._team = Team.open(handles[0])
+        if self.uses_nvshmem:
+            uid: list[Any] = [None] * self.group_size
+            torch_dist.all_gather_object(uid, (id(self._team), k) if self.rank == 0 else None, group=group)
+            self._join_nvshmem(uid[0])
+        # runtime.sync: open the peers' handles, (NVSHMEM) align, then barriers.  Collective.
+        self.runtime = _Runtime()
+        self._meet("sync", None, lambda xs: [None] * len(xs), device_side=True)
+        self.state = AVAILABLE
+        self._kernel.history.record("deep_ep.buffer", pid=self._pid, team=self._team.name, size=self.group_size,
+                                    nvshmem=self._nvshmem_size, low_latency=self.low_latency_mode)
+
+    # -- NVSHMEM -------------------------------------------------------------------------------------------------
+    @property
+    def uses_nvshmem(self) -> bool:
+        return self.num_rdma_bytes > 0 or self.low_latency_mode or self.group_size > NUM_MAX_NVL_PEERS
+
+    def _join_nvshmem(self, uid: Any) -> None:
+        worlds = _nvshmem.worlds(self._kernel)
+        world = worlds.of(self._pid)
+        effective = world.init(self.group_size, uid, worlds.profile)
+        self._nvshmem, self._nvshmem_size = world, effective
+        if self.low_latency_mode and self.group_size > NUM_MAX_NVL_PEERS:
+            owner = _static_team_owner.get((id(self._kernel), self._pid))
+            if owner is not None and owner.state == AVAILABLE:
+                raise RuntimeError("Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
+                                   "buffer above 8 ranks while another one is alive)")
+            _static_team_owner[(id(self._kernel), self._pid)] = self
+        if effective != self.group_size:
+            # The old world was reused: nvshmem_align is collective over it, and the new group's ranks never meet.
+            self._kernel.sleep(100.0, "nvshmem_align across mismatched worlds")
+            self.state = POISONED
+            raise DeepEPTimeout(f"nvshmem_align hangs: NVSHMEM was initialised for {effective} ranks and this "
+                                f"buffer's group has {self.group_size} (the old world was reused: stock NVSHMEM "
+                                "does not reset its bootstrap on finalize)", [])
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _live(self, what: str) -> None:
+        if self.runtime is None:
+            raise AttributeError(f"'NoneType' object has no attribute '{what}'")
+        if self.state == POISONED:
+            raise RuntimeError("CUDA error: unspecified launch failure (a device-side trap left a sticky error)")
+
+    def _meet(self, kind: str, payload: Any, combine: Callable[[list[Any]], list[Any]],
+              parity: int | None = None, device_side: bool = False) -> Any:
+        try:
+            return self._team.meet(self.rank, kind, payload, combine, parity=parity, device_side=device_side)
+        except DeepEPTimeout:
+            if device_side:
+                self.state = POISONED
+            raise
+
+    @property
+    def _experts_per_rank(self) -> Callable[[int], int]:
+        return lambda num_experts: num_experts // self.group_size
+
+    def _check_handle(self, handle: _Handle, low_latency: bool) -> None:
+        if not isinstance(handle, _Handle) or handle.low_latency != low_latency:
+            raise TypeError("handle must be the one dispatch returned")
+        if handle.team != self._team.id or handle.ep_size != self.group_size or handle.rank != self.rank:
+            raise RuntimeError(f"Assertion error: handle from another buffer (EP size {handle.ep_size}, this buffer "
+                               f"{self.group_size})")
+
+    # -- local calls ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """The layout DeepEP's ``LowLatencyLayout`` describes: two (odd/even) sets of send, receive and signalling
+        buffers for FP8-or-BF16 dispatch messages and BF16 combine messages, rounded up to 128 bytes.  Follows the
+        structure of the formula; the exact constants are not checked against a DeepEP build."""
+        num_scales = hidden // 128
+        dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
+        combine_msg = num_scales * 4 + hidden * 2
+        m = num_max_dispatch_tokens_per_rank
+        send = max(m * dispatch_msg, num_experts * m * combine_msg)
+        recv = num_experts * m * max(dispatch_msg, combine_msg)
+        signal = num_experts * 4
+        total = 2 * (send + recv + signal)
+        return ((total + 127) // 128) * 128
+
+    def get_local_device_id(self) -> int:
+        self._live("get_local_device_id")
+        return 0
+
+    def get_comm_stream(self) -> Any:
+        self._live("get_comm_stream")
+        return None
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event): local."""
+        self._live("get_dispatch_layout")
+        per = num_experts // self.group_size
+        valid = topk_idx >= 0
+        owner = torch.where(valid, topk_idx // per, torch.full_like(topk_idx, -1))
+        is_token_in_rank = torch.zeros(topk_idx.shape[0], self.group_size, dtype=torch.bool)
+        for r in range(self.group_size):
+            is_token_in_rank[:, r] = (owner == r).any(dim=1)
+        num_tokens_per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
+        num_tokens_per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
+        rdma = None
+        if self.group_size > NUM_MAX_NVL_PEERS:
+            nodes = math.ceil(self.group_size / NUM_MAX_NVL_PEERS)
+            rdma = torch.stack([is_token_in_rank[:, n * 8:(n + 1) * 8].any(dim=1).sum() for n in range(nodes)])
+            rdma = rdma.to(torch.int32)
+        return num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, EventOverlap()
+
+    # -- high-throughput dispatch and combine (collective) --------------------------------------------------------
+    def dispatch(self, x: Any, handle: Optional[_Handle] = None, num_tokens_per_rank: Any = None,
+                 num_tokens_per_rdma_rank: Any = None, is_token_in_rank: Any = None,
+                 num_tokens_per_expert: Any = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Any = None, previous_event: Any = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
+        self._live("intranode_dispatch")
+        if handle is not None:
+            self._check_handle(handle, low_latency=False)
+            raise NotImplementedError("cached re-dispatch with a handle is not modelled by the fake DeepEP")
+        if topk_idx is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch needs topk_idx, is_token_in_rank and num_tokens_per_expert "
+                             "(from get_dispatch_layout)")
+        num_experts = int(num_tokens_per_expert.numel())
+        mine = (x.detach().clone(), topk_idx.clone(), None if topk_weights is None else topk_weights.clone(),
+                is_token_in_rank.clone())
+        rank, per = self.rank, num_experts // self.group_size
+
+        def route(payloads: list[Any]) -> list[Any]:
+            out = []
+            for dst in range(len(payloads)):
+                rows, idx, weights, layout = [], [], [], []
+                for src, (sx, sidx, sw, sin) in enumerate(payloads):
+                    tokens = torch.nonzero(sin[:, dst], as_tuple=False).flatten()
+                    layout.append(tokens)
+                    rows.append(sx[tokens])
+                    local = sidx[tokens]
+                    inside = (local >= dst * per) & (local < (dst + 1) * per)
+                    idx.append(torch.where(inside, local - dst * per, torch.full_like(local, -1)))
+                    if sw is not None:
+                        weights.append(torch.where(inside, sw[tokens], torch.zeros_like(sw[tokens])))
+                out.append((torch.cat(rows), torch.cat(idx), torch.cat(weights) if weights else None, layout))
+            return out
+
+        recv_x, recv_idx, recv_w, layout = self._meet("dispatch", mine, route)
+        self._needs_clean = self.low_latency_mode
+        counts = [int((recv_idx == e).sum()) for e in range(per)]
+        counts = [((c + expert_alignment - 1) // expert_alignment) * expert_alignment for c in counts]
+        new_handle = _Handle(self._team.id, self.group_size, rank, False, layout, int(x.shape[0]), 0)
+        return recv_x, recv_idx, recv_w, counts, new_handle, EventOverlap()
+
+    def combine(self, x: torch.Tensor, handle: _Handle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Any = None, config: Any = None, previous_event: Any = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """(combined_x, combined_topk_weights, event): every rank's rows for a token summed back at its source."""
+        self._live("intranode_combine")
+        self._check_handle(handle, low_latency=False)
+        mine = (x.detach().clone(), None if topk_weights is None else topk_weights.clone(), handle.layout,
+                handle.num_tokens)
+
+        def reduce(payloads: list[Any]) -> list[Any]:
+            hidden = payloads[0][0].shape[1:]
+            sums = [torch.zeros((p[3],) + tuple(hidden), dtype=payloads[0][0].dtype) for p in payloads]
+            wsums = [None] * len(payloads)
+            for dst, (rows, w, layout, _) in enumerate(payloads):
+                start = 0
+                for src, tokens in enumerate(layout):
+                    n = int(tokens.numel())
+                    sums[src].index_add_(0, tokens, rows[start:start + n])
+                    if w is not None:
+                        if wsums[src] is None:
+                            wsums[src] = torch.zeros((payloads[src][3], w.shape[1]), dtype=w.dtype)
+                        wsums[src].index_add_(0, tokens, w[start:start + n])
+                    start += n
+            return list(zip(sums, wsums))
+
+        combined, weights = self._meet("combine", mine, reduce)
+        self._needs_clean = self.low_latency_mode
+        if bias is not None:
+            for b in (bias if isinstance(bias, (tuple, list)) else (bias,)):
+                if b is not None:
+                    combined = combined + b
+        return combined, weights, EventOverlap()
+
+    # -- low-latency dispatch and combine (collective, double-buffered) --------------------------------------------
+    def _ll_turn(self, what: str) -> tuple[int, int]:
+        self._live(what)
+        if not self.low_latency_mode:
+            raise RuntimeError("Assertion error: low_latency_mode must be enabled for low-latency kernels")
+        if self._needs_clean:
+            # Flags left by high-throughput use: the LL kernels wait for counts that never come, then trap.
+            self._kernel.sleep(100.0, f"{what}: stale flags (no clean_low_latency_buffer after HT use)")
+            self.state = POISONED
+            raise DeepEPTimeout(f"device barrier trapped (sticky CUDA error): {what} found flags of high-throughput "
+                                "use; clean_low_latency_buffer was not called", [])
+        parity, use = self._ll_parity, self._ll_uses
+        self._ll_parity ^= 1
+        self._ll_uses += 1
+        return parity, use
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Any = None,
+                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """(recv_x, recv_count, handle, event, hook): ``recv_x`` is ``[local experts, ranks * max tokens, hidden]``
+        (with ``use_fp8``, a pair of FP8 data and per-128-channel scales)."""
+        parity, use = self._ll_turn("low_latency_dispatch")
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise RuntimeError(f"Assertion error: {x.shape[0]} tokens > num_max_dispatch_tokens_per_rank "
+                               f"{num_max_dispatch_tokens_per_rank}")
+        ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
+        per = num_experts // ranks
+        mine = (x.detach().clone(), topk_idx.clone())
+
+        def route(payloads: list[Any]) -> list[Any]:
+            hidden = payloads[0][0].shape[1]
+            out = []
+            for dst in range(ranks):
+                recv = torch.zeros(per, ranks * m, hidden, dtype=payloads[0][0].dtype)
+                count = torch.zeros(per, dtype=torch.int32)
+                layout: list[list[tuple[int, int]]] = [[] for _ in range(per)]
+                for src, (sx, sidx) in enumerate(payloads):
+                    for t in range(sx.shape[0]):
+                        for e in sorted({int(v) for v in sidx[t].tolist() if v >= 0}):
+                            if dst * per <= e < (dst + 1) * per:
+                                le = e - dst * per
+                                recv[le, int(count[le])] = sx[t]
+                                count[le] += 1
+                                layout[le].append((src, t))
+                out.append((recv, count, layout))
+            return out
+
+        recv_x, count, layout = self._meet("low_latency_dispatch", mine, route, parity=parity, device_side=True)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
+        handle = _Handle(self._team.id, self.group_size, self.rank, True, layout, int(x.shape[0]), use)
+        if use_fp8:
+            recv_x = _to_fp8(recv_x)
+        hook = (lambda: None) if return_recv_hook else None
+        return recv_x, count, handle, EventOverlap(), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: _Handle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False, out: Any = None):
+        """(combined_x, event, hook): ``combined_x[t] = sum_k topk_weights[t, k] * x[expert k's row for t]``."""
+        self._check_handle(handle, low_latency=True)
+        if self._ll_uses - handle.seq > 2:
+            # At most two LL results in flight: the receive buffer this handle describes was written again.
+            self._live("low_latency_combine")
+            raise RuntimeError("low_latency_combine: the handle's receive buffer was reused by a later low-latency "
+                               "call (at most two results may be in flight)")
+        parity, _ = self._ll_turn("low_latency_combine")
+        mine = (x.detach().clone(), handle.layout)
+        ranks = self.group_size
+        num_tokens, weights, idx = handle.num_tokens, topk_weights.clone(), topk_idx.clone()
+        per = x.shape[0]
+
+        def gather(payloads: list[Any]) -> list[Any]:
+            # For each source rank: row of (expert, token) -> the expert output that rank computed
+            rows: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in range(ranks)]
+            for owner, (ox, layout) in enumerate(payloads):
+                for le, pairs in enumerate(layout):
+                    for slot, (src, t) in enumerate(pairs):
+                        rows[src][(owner * per + le, t)] = ox[le, slot]
+            return rows
+
+        mine_rows = self._meet("low_latency_combine", mine, gather, parity=parity, device_side=True)
+        combined = torch.zeros(num_tokens, x.shape[2], dtype=x.dtype)
+        for t in range(num_tokens):
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if e >= 0:
+                    combined[t] += weights[t, k].to(x.dtype) * mine_rows[(e, t)]
+        if out is not None:
+            out.copy_(combined)
+            combined = out
+        hook = (lambda: None) if return_recv_hook else None
+        return combined, EventOverlap(), hook
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zero the LL buffers' flags: a device barrier before and after, so collective."""
+        self._live("clean_low_latency_buffer")
+        self._meet("clean_low_latency_buffer", None, lambda xs: [None] * len(xs), device_side=True)
+        self._needs_clean = False
+
+    # -- teardown -----------------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._live("destroy")
+        self._destroy()
+
+    def _destroy(self) -> None:
+        """The C++ ``destroy()``: a device barrier over every rank, free, then (RDMA) NVSHMEM barrier and finalize."""
+        self.state = DESTROYING
+        self._meet("destroy", None, lambda xs: [None] * len(xs), device_side=True)
+        if self._nvshmem is not None:
+            self._nvshmem.finalize(_nvshmem.worlds(self._kernel).profile)
+            self._nvshmem = None
+        self.runtime = None
+        self.state = DESTROYED
+        self._kernel.history.record("deep_ep.destroy", pid=self._pid, team=self._team.name)
+
+    def __del__(self) -> None:
+        state = getattr(self, "state", None)
+        if state not in (AVAILABLE, CONSTRUCTING):
+            return
+        if getattr(self, "explicitly_destroy", False):
+            self.state = LEAKED
+            try:
+                print("WARNING: destroy() was not called before DeepEP buffer destruction, which can leak "
+                      "resources.", file=sys.stderr)
+                self._kernel.history.record("deep_ep.leak", pid=self._pid, team=self._team.name)
+            except Exception:  # noqa: BLE001 - a destructor never raises
+                pass
+            return
+        # The default flag: the whole collective destroy runs here, wherever the collector runs the destructor.
+        # Exceptions escape to Python's unraisable hook (the simulator reports them), as pybind's would terminate.
+        self._destroy()
+
+
+def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-128-channel FP8 (E4M3) data and float32 scales, as DeepEP's LL dispatch returns with ``use_fp8``."""
+    hidden = x.shape[-1]
+    if hidden % 128:
+        raise RuntimeError("Assertion error: hidden must be a multiple of 128 for FP8 low-latency dispatch")
+    blocks = x.float().reshape(*x.shape[:-1], hidden // 128, 128)
+    amax = blocks.abs().amax(dim=-1).clamp(min=1e-4)
+    scales = amax / 448.0
+    data = (blocks / scales.unsqueeze(-1)).reshape(x.shape).to(torch.float8_e4m3fn)
+    return data, scales

@@ -1,0 +1,298 @@
+"""The fake DeepEP Buffer: dispatch/combine against a single-process reference (EP 2 to 64, high-throughput and
+low-latency), collective semantics (a missing rank is a timeout naming it), misuse, the destructor's two branches,
+and NVSHMEM as a reference-counted world."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from fakes import deep_ep
+from fakes.torch_dist import Rendezvous
+from sim.kernel import Kernel
+
+HIDDEN = 128
+
+
+def _world(n: int, seed: int = 0) -> tuple[Kernel, list[Any]]:
+    kernel = Kernel(seed)
+    rdv = Rendezvous(kernel, "ep", list(range(n)))
+    return kernel, rdv.groups()
+
+
+def _run(kernel: Kernel, groups: list[Any], body: Callable[[Any], Any]) -> list[Any]:
+    """Run ``body(group)`` on one simulated thread per rank; each rank's return value (or exception)."""
+    results: list[Any] = [None] * len(groups)
+
+    def rank_main(g):
+        try:
+            results[g.rank()] = body(g)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            results[g.rank()] = exc
+
+    for g in groups:
+        kernel.spawn(f"rank{g.rank()}", rank_main, g, pid=g.rank())
+    kernel.run()
+    return results
+
+
+def _inputs(n: int, tokens: int, experts: int, topk: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for _ in range(n):
+        xs.append(torch.randn(tokens, HIDDEN, generator=gen))
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+        idx[torch.rand(tokens, topk, generator=gen) < 0.1] = -1  # some slots unused, as DeepEP allows
+        idxs.append(idx)
+        ws.append(torch.rand(tokens, topk, generator=gen))
+    return xs, idxs, ws
+
+
+def _expert(e: int, x: torch.Tensor) -> torch.Tensor:
+    return x * (e + 1) + e  # a different function per expert, so a token at the wrong expert shows
+
+
+def _reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0:
+                out[t] += w[t, k] * _expert(e, x[t])
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
+    experts, topk, tokens = 4 * n, 4, 6
+    xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=n)
+    kernel, groups = _world(n)
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], experts)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idxs[r], topk_weights=ws[r])
+        per = experts // n
+        assert counts == [int((recv_idx == e).sum()) for e in range(per)]
+        # the MoE layer's local work: each received token through its local experts, weighted
+        y = torch.zeros_like(recv_x)
+        for i in range(recv_x.shape[0]):
+            for k in range(topk):
+                le = int(recv_idx[i, k])
+                if le >= 0:
+                    y[i] += recv_w[i, k] * _expert(r * per + le, recv_x[i])
+        combined, _, _ = buf.combine(y, handle)
+        buf.destroy()
+        return combined, per_rank, recv_x.shape[0]
+
+    results = _run(kernel, groups, body)
+    for r, res in enumerate(results):
+        assert not isinstance(res, BaseException), res
+        combined, per_rank, _ = res
+        torch.testing.assert_close(combined, _reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
+    # every rank received exactly what the layouts said the others would send it
+    for dst in range(n):
+        assert results[dst][2] == sum(int(results[src][1][dst]) for src in range(n))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_low_latency_dispatch_combine_equals_the_reference(n: int) -> None:
+    experts, topk, tokens, max_tokens = 2 * n, 3, 4, 8
+    xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=100 + n)
+    kernel, groups = _world(n)
+    deep_ep.configure(kernel, "elastic")
+
+    def body(g):
+        r = g.rank()
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, HIDDEN, n, experts)
+        buf = deep_ep.Buffer(g, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=experts // n,
+                             explicitly_destroy=True)
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens, experts, use_fp8=False)
+        per = experts // n
+        assert recv_x.shape == (per, n * max_tokens, HIDDEN)
+        y = torch.zeros_like(recv_x)
+        for le in range(per):
+            c = int(count[le])
+            y[le, :c] = _expert(r * per + le, recv_x[le, :c])
+        combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], handle)
+        buf.destroy()
+        return combined
+
+    for r, res in enumerate(_run(kernel, groups, body)):
+        assert not isinstance(res, BaseException), res
+        torch.testing.assert_close(res, _reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_low_latency_dispatch_returns_data_and_scales_that_dequantise() -> None:
+    kernel, groups = _world(2)
+    xs, idxs, _ = _inputs(2, 3, 4, 2, seed=7)
+
+    def body(g):
+        buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        (data, scales), count, _, _, _ = buf.low_latency_dispatch(xs[g.rank()], idxs[g.rank()], 4, 4)
+        plain = data.float().reshape(*data.shape[:-1], HIDDEN // 128, 128) * scales.unsqueeze(-1)
+        return plain.reshape(data.shape), count
+
+    for res in _run(kernel, groups, body):
+        assert not isinstance(res, BaseException), res
+        dequantised, count = res
+        assert dequantised.dtype == torch.float32 and int(count.sum()) > 0
+
+
+def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
+    kernel, groups = _world(4)
+    xs, idxs, ws = _inputs(4, 3, 8, 2, seed=3)
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        if r == 2:
+            return buf  # rank 2 goes on without dispatching
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 8)
+        started = kernel.now()
+        try:
+            buf.dispatch(xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                         topk_weights=ws[r])
+        except deep_ep.DeepEPTimeout as exc:
+            return exc, kernel.now() - started
+
+    results = _run(kernel, groups, body)
+    for r in (0, 1, 3):
+        exc, waited = results[r]
+        assert "DeepEP error: CPU recv timeout" in str(exc) and exc.missing == [2] and "pids [2]" in str(exc)
+        assert waited == pytest.approx(100.0)  # DeepEP's timeout, in simulated seconds
+        assert isinstance(exc, deep_ep.DeepEPTimeout)
+    assert results[2].state == deep_ep.AVAILABLE
+
+
+def test_low_latency_timeout_poisons_the_buffer() -> None:
+    kernel, groups = _world(2)
+    xs, idxs, _ = _inputs(2, 2, 4, 2, seed=5)
+
+    def body(g):
+        buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        if g.rank() == 1:
+            return buf
+        try:
+            buf.low_latency_dispatch(xs[0], idxs[0], 4, 4, use_fp8=False)
+        except deep_ep.DeepEPTimeout as exc:
+            assert "trapped" in str(exc)
+        assert buf.state == deep_ep.POISONED
+        with pytest.raises(RuntimeError, match="sticky"):
+            buf.clean_low_latency_buffer(4, HIDDEN, 4)
+        return buf
+
+    for res in _run(kernel, groups, body):
+        assert not isinstance(res, BaseException), res
+
+
+def test_misuse_raises_what_deep_ep_raises() -> None:
+    kernel, groups = _world(2)
+
+    def body(g):
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20)  # explicitly_destroy=False
+        with pytest.raises(AssertionError, match="explicitly_destroy"):
+            buf.destroy()
+        strict = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        strict.destroy()
+        assert strict.state == deep_ep.DESTROYED and strict.runtime is None
+        with pytest.raises(AttributeError):
+            strict.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), 2)
+        with pytest.raises(AttributeError):
+            strict.destroy()
+        with pytest.raises(RuntimeError, match="low_latency_mode"):
+            buf.low_latency_dispatch(torch.zeros(1, HIDDEN), torch.zeros(1, 1, dtype=torch.int64), 1, 2)
+        with pytest.raises(AssertionError):
+            deep_ep.Buffer.set_num_sms(3)
+        return "ok"
+
+    assert _run(kernel, groups, body) == ["ok", "ok"]
+
+
+def test_a_handle_from_another_ep_size_is_refused() -> None:
+    kernel, groups = _world(2)
+    xs, idxs, ws = _inputs(2, 3, 4, 2, seed=9)
+    other = Rendezvous(kernel, "ep-other", [0, 1]).groups()
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 4)
+        _, _, _, _, handle, _ = buf.dispatch(xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                             topk_idx=idxs[r], topk_weights=ws[r])
+        new = deep_ep.Buffer(other[r], num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        with pytest.raises(RuntimeError, match="another buffer"):
+            new.combine(torch.zeros(1, HIDDEN), handle)
+        return "ok"
+
+    assert _run(kernel, groups, body) == ["ok", "ok"]
+
+
+def test_destructor_runs_the_collective_destroy_or_leaks_with_a_warning(capsys) -> None:
+    kernel, groups = _world(2)
+    kept: list[Any] = []
+
+    def body(g):
+        default = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True)
+        strict = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        kept.append((default.state, strict.state))
+        world = deep_ep._nvshmem.worlds(kernel).of(g.rendezvous.pids[g.rank()])
+        count_before = world.init_count
+        del default  # refcount finalizes it here, on this rank's thread: the collective destroy runs
+        strict.__del__()
+        return count_before, world.init_count, strict.state
+
+    results = _run(kernel, groups, body)
+    assert results == [(1, 0, deep_ep.LEAKED), (1, 0, deep_ep.LEAKED)]
+    assert "destroy() was not called" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile, outcome", [("stock", "hang"), ("elastic", "ok"), ("mi355", "error")])
+def test_nvshmem_reinit_at_a_new_ep_size(profile: str, outcome: str) -> None:
+    """EP4 low-latency buffers destroyed, then EP2 ones on two of the same processes (a scale-down)."""
+    kernel, groups4 = _world(4)
+    deep_ep.configure(kernel, profile)
+    groups2 = Rendezvous(kernel, "ep2", [0, 1]).groups()
+
+    def body(g):
+        buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        buf.destroy()
+        if g.rank() >= 2:
+            return "left"
+        try:
+            small = deep_ep.Buffer(groups2[g.rank()], num_rdma_bytes=1 << 20, low_latency_mode=True,
+                                   explicitly_destroy=True)
+        except deep_ep.DeepEPTimeout as exc:
+            return "hang: " + str(exc)
+        except deep_ep.NvshmemError as exc:
+            return "error: " + str(exc)
+        return f"ok {small._nvshmem_size}"
+
+    results = _run(kernel, groups4, body)
+    assert results[2:] == ["left", "left"]
+    if outcome == "hang":
+        assert all(r.startswith("hang") and "initialised for 4 ranks" in r for r in results[:2]), results
+    elif outcome == "ok":
+        assert results[:2] == ["ok 2", "ok 2"]
+    else:
+        assert all(r.startswith("error") for r in results[:2]), results
+
+
+def test_intranode_high_throughput_never_touches_nvshmem() -> None:
+    kernel, groups = _world(8)
+
+    def body(g):
+        deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True).destroy()
+        return deep_ep._nvshmem.worlds(kernel).of(g.rank()).history
+
+    assert _run(kernel, groups, body) == [[]] * 8
+
+
+def test_size_hint_grows_with_ep_size_and_experts() -> None:
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint
+    assert hint(128, 7168, 16, 256) < hint(128, 7168, 32, 512) and hint(128, 7168, 16, 256) % 128 == 0
