@@ -1,10 +1,10 @@
 """Real transfers: NIXL READ throughput for expert-sized transfers against a torch copy of the same bytes.
 
-A real NIXL agent in this process READs S bytes at a time from an agent in a child process (UCX on host memory, as
-CI has it), posted and polled to DONE, against ``dst.copy_(src)`` of the same
-bytes in the same process, on one torch thread: NIXL's progress thread spins on a core, and a two-thread torch copy
-on a two-core machine then waits for its second thread (medians of 0.1 to 60 GB/s for the same 1 MiB copy).  Sizes 1 MiB to 64 MiB.  On a GPU the same is done with VRAM tensors on two devices
-against a torch peer copy (``gpu`` only; not measured without one).
+A real NIXL agent in this process READs S bytes at a time (1 MiB to 64 MiB) from an agent in a child process, as
+ranks do (UCX on host memory, as CI has it), posted and polled to DONE, against ``dst.copy_(src)`` of the same bytes
+in this process.  The copy runs on one torch thread: NIXL's progress thread spins on a core, and a two-thread torch
+copy on a two-core machine then waits for its second thread (medians of 0.1 to 60 GB/s for the same 1 MiB copy).
+With ``device="cuda"`` the tensors are in VRAM, on two GPUs when there are two, against a torch peer copy.
 """
 
 from __future__ import annotations

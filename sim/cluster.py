@@ -150,8 +150,11 @@ class Cluster:
 
     def _describe(self, pid: int) -> str:
         threads = [t for t in self.kernel.threads if t.pid == pid and t.state != "done"]
-        return f"pid {pid}: " + ", ".join(f"{t.name} {t.state}" + (f" on {t.blocked_on}" if t.blocked_on and t.state in ("blocked", "killed") else "")
-                                         for t in threads)
+
+        def where(t) -> str:  # what a thread waits on means something only while it waits
+            return f" on {t.blocked_on}" if t.blocked_on and t.state in ("blocked", "killed") else ""
+
+        return f"pid {pid}: " + ", ".join(f"{t.name} {t.state}{where(t)}" for t in threads)
 
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids

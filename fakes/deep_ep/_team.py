@@ -12,6 +12,7 @@ poisons the buffer.  Both are :class:`DeepEPTimeout`, a liveness failure naming 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,7 +20,7 @@ from fakes.torch_dist import CollectiveTimeout
 
 TIMEOUT_S = 100.0  # NUM_TIMEOUT_CYCLES at the GPU clock, and the CPU receive timeout: about 100 s
 _ids = itertools.count(1)
-_TEAMS: dict[int, "Team"] = {}  # "IPC handle" -> team: what opening a peer's handle finds
+_TEAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # "IPC handle" -> team, while it is used
 
 
 class DeepEPTimeout(CollectiveTimeout):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -31,9 +32,10 @@ from ._team import DeepEPTimeout, Team
 NUM_MAX_NVL_PEERS = 8
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
-_created: dict[tuple[int, int], int] = {}  # (rendezvous id, rank) -> buffers made on it: the k-th ones share a team
-_teams: dict[tuple[int, int], Team] = {}
-_static_team_owner: dict[tuple[int, int], Any] = {}  # (kernel id, pid) -> LL buffer holding cpu_rdma_team
+# Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
+_created: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rendezvous -> {rank: buffers made on it}
+_teams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rendezvous -> {k: the team of the k-th buffers}
+_static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernel -> {pid: LL buffer, >8 ranks}
 
 
 class EventOverlap:
@@ -100,12 +102,13 @@ class Buffer:
         self._nvshmem_size: int | None = None
 
         # The C++ constructor is local; then device ids and IPC handles are exchanged over the group.
-        key = (id(rdv), self.rank)
-        k = _created.get(key, 0)
-        _created[key] = k + 1
-        team = _teams.get((id(rdv), k))
+        made = _created.setdefault(rdv, {})
+        k = made.get(self.rank, 0)
+        made[self.rank] = k + 1
+        teams = _teams.setdefault(rdv, {})
+        team = teams.get(k)
         if team is None:
-            team = _teams[(id(rdv), k)] = Team(self._kernel, rdv.pids, f"{rdv.name}/deep_ep#{k}")
+            team = teams[k] = Team(self._kernel, rdv.pids, f"{rdv.name}/deep_ep#{k}")
         device_ids: list[Any] = [None] * self.group_size
         torch_dist.all_gather_object(device_ids, self._pid, group=group)
         handles: list[Any] = [None] * self.group_size
@@ -115,7 +118,7 @@ class Buffer:
         self._team = Team.open(handles[0])
         if self.uses_nvshmem:
             uid: list[Any] = [None] * self.group_size
-            torch_dist.all_gather_object(uid, (id(self._team), k) if self.rank == 0 else None, group=group)
+            torch_dist.all_gather_object(uid, (self._team.id, k) if self.rank == 0 else None, group=group)
             self._join_nvshmem(uid[0])
         # runtime.sync: open the peers' handles, (NVSHMEM) align, then barriers.  Collective.
         self.runtime = _Runtime()
@@ -135,11 +138,12 @@ class Buffer:
         effective = world.init(self.group_size, uid, worlds.profile)
         self._nvshmem, self._nvshmem_size = world, effective
         if self.low_latency_mode and self.group_size > NUM_MAX_NVL_PEERS:
-            owner = _static_team_owner.get((id(self._kernel), self._pid))
-            if owner is not None and owner.state == AVAILABLE:
+            owners = _static_team_owner.setdefault(self._kernel, {})
+            owner = owners.get(self._pid)
+            if owner is not None and owner() is not None and owner().state == AVAILABLE:
                 raise RuntimeError("Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
                                    "buffer above 8 ranks while another one is alive)")
-            _static_team_owner[(id(self._kernel), self._pid)] = self
+            owners[self._pid] = weakref.ref(self)
         if effective != self.group_size:
             # The old world was reused: nvshmem_align is collective over it, and the new group's ranks never meet.
             self._kernel.sleep(100.0, "nvshmem_align across mismatched worlds")

@@ -87,7 +87,8 @@ def test_crashed_hung_and_raising_runs_are_recorded_and_the_sweep_goes_on(tmp_pa
     verdicts = [rows[s.key]["verdict"] for s in specs]
     assert verdicts == ["worker_crash", "worker_crash", "timeout", "pass", "pass"], verdicts
     assert "SIGKILL" in rows[specs[0].key]["detail"]
-    assert rows[broken.key]["verdict"] == "error" and "ScenarioError: bad: name: Field required" in rows[broken.key]["detail"]
+    error = rows[broken.key]
+    assert error["verdict"] == "error" and "ScenarioError: bad: name: Field required" in error["detail"]
 
 
 def _wait_for_rows(db: Path, n: int, proc: subprocess.Popen, limit_s: float = 120) -> None:
