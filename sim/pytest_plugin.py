@@ -7,10 +7,13 @@ simulator, tests run on many seeds, and failures that say how to replay them.
   without running it, for tests that drive or inspect one;
 - ``@pytest.mark.epsim(seeds=20)``: the test runs once per seed (``epsim_seed`` is the seed); ``--epsim-seeds N``
   or ``--epsim-seeds A:B`` overrides the seeds of every such test;
+- ``fake_deep_ep``: ``fake_deep_ep(n, nvshmem="stock")`` gives ``n`` simulated ranks of one process group, with
+  ``import deep_ep`` giving the fake; ``ranks.run(body)`` runs ``body(group)`` on every rank and returns what each
+  returned (or raised);
 - a failing test that ran a simulation gets the command that replays that run, as a report section and in the
   failure message (which JUnit XML carries).
 
-A fake DeepEP fixture comes with the fake DeepEP.  The plugin imports nothing heavy at load time (no torch, no
+The plugin imports nothing heavy at load time (no torch, no
 NIXL, no simulator): pytest loads it in every session of every project that installed epsim.
 """
 
@@ -85,6 +88,48 @@ def fake_nixl(request):
     fabric = FakeFabric(marker.args[0] if marker else "dram")
     with fakes.installed(fabric):
         yield fabric
+
+
+class SimulatedRanks:
+    """``n`` simulated ranks (one thread each, pids 0..n-1) of one fake process group, in a kernel of their own."""
+
+    def __init__(self, n: int, seed: int = 0, nvshmem: str = "stock") -> None:
+        from fakes import deep_ep
+        from fakes.torch_dist import Rendezvous
+        from sim.kernel import Kernel
+
+        self.kernel = Kernel(seed)
+        deep_ep.configure(self.kernel, nvshmem)
+        self.groups = Rendezvous(self.kernel, "ep", list(range(n))).groups()
+
+    def new_group(self, name: str, pids: list[int]) -> list:
+        """Another group over some of the same processes (an elastic reconfiguration's new EP group)."""
+        from fakes.torch_dist import Rendezvous
+
+        return Rendezvous(self.kernel, name, list(pids)).groups()
+
+    def run(self, body) -> list:
+        results: list = [None] * len(self.groups)
+
+        def rank_main(g):
+            try:
+                results[g.rank()] = body(g)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                results[g.rank()] = exc
+
+        for g in self.groups:
+            self.kernel.spawn(f"rank{g.rank()}", rank_main, g, pid=g.rank())
+        self.kernel.run()
+        return results
+
+
+@pytest.fixture
+def fake_deep_ep(epsim_seed):
+    """``fake_deep_ep(n, nvshmem="stock")``: :class:`SimulatedRanks` with ``import deep_ep`` giving the fake."""
+    from fakes import deep_ep
+
+    with deep_ep.installed():
+        yield lambda n, nvshmem="stock": SimulatedRanks(n, epsim_seed, nvshmem)
 
 
 def _runs(request) -> list:

@@ -4,38 +4,15 @@ and NVSHMEM as a reference-counted world."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from fakes import deep_ep
-from fakes.torch_dist import Rendezvous
-from sim.kernel import Kernel
+from sim.pytest_plugin import SimulatedRanks
 
 HIDDEN = 128
-
-
-def _world(n: int, seed: int = 0) -> tuple[Kernel, list[Any]]:
-    kernel = Kernel(seed)
-    rdv = Rendezvous(kernel, "ep", list(range(n)))
-    return kernel, rdv.groups()
-
-
-def _run(kernel: Kernel, groups: list[Any], body: Callable[[Any], Any]) -> list[Any]:
-    """Run ``body(group)`` on one simulated thread per rank; each rank's return value (or exception)."""
-    results: list[Any] = [None] * len(groups)
-
-    def rank_main(g):
-        try:
-            results[g.rank()] = body(g)
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            results[g.rank()] = exc
-
-    for g in groups:
-        kernel.spawn(f"rank{g.rank()}", rank_main, g, pid=g.rank())
-    kernel.run()
-    return results
 
 
 def _inputs(n: int, tokens: int, experts: int, topk: int, seed: int):
@@ -68,7 +45,7 @@ def _reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Ten
 def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
     experts, topk, tokens = 4 * n, 4, 6
     xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=n)
-    kernel, groups = _world(n)
+    ranks = SimulatedRanks(n)
 
     def body(g):
         r = g.rank()
@@ -90,7 +67,7 @@ def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
         buf.destroy()
         return combined, per_rank, recv_x.shape[0]
 
-    results = _run(kernel, groups, body)
+    results = ranks.run(body)
     for r, res in enumerate(results):
         assert not isinstance(res, BaseException), res
         combined, per_rank, _ = res
@@ -104,7 +81,8 @@ def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
 def test_low_latency_dispatch_combine_equals_the_reference(n: int) -> None:
     experts, topk, tokens, max_tokens = 2 * n, 3, 4, 8
     xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=100 + n)
-    kernel, groups = _world(n)
+    ranks = SimulatedRanks(n)
+    kernel = ranks.kernel
     deep_ep.configure(kernel, "elastic")
 
     def body(g):
@@ -123,13 +101,13 @@ def test_low_latency_dispatch_combine_equals_the_reference(n: int) -> None:
         buf.destroy()
         return combined
 
-    for r, res in enumerate(_run(kernel, groups, body)):
+    for r, res in enumerate(ranks.run(body)):
         assert not isinstance(res, BaseException), res
         torch.testing.assert_close(res, _reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
 
 
 def test_fp8_low_latency_dispatch_returns_data_and_scales_that_dequantise() -> None:
-    kernel, groups = _world(2)
+    ranks = SimulatedRanks(2)
     xs, idxs, _ = _inputs(2, 3, 4, 2, seed=7)
 
     def body(g):
@@ -138,14 +116,15 @@ def test_fp8_low_latency_dispatch_returns_data_and_scales_that_dequantise() -> N
         plain = data.float().reshape(*data.shape[:-1], HIDDEN // 128, 128) * scales.unsqueeze(-1)
         return plain.reshape(data.shape), count
 
-    for res in _run(kernel, groups, body):
+    for res in ranks.run(body):
         assert not isinstance(res, BaseException), res
         dequantised, count = res
         assert dequantised.dtype == torch.float32 and int(count.sum()) > 0
 
 
 def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
-    kernel, groups = _world(4)
+    ranks = SimulatedRanks(4)
+    kernel = ranks.kernel
     xs, idxs, ws = _inputs(4, 3, 8, 2, seed=3)
 
     def body(g):
@@ -161,7 +140,7 @@ def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
         except deep_ep.DeepEPTimeout as exc:
             return exc, kernel.now() - started
 
-    results = _run(kernel, groups, body)
+    results = ranks.run(body)
     for r in (0, 1, 3):
         exc, waited = results[r]
         assert "DeepEP error: CPU recv timeout" in str(exc) and exc.missing == [2] and "pids [2]" in str(exc)
@@ -171,7 +150,7 @@ def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
 
 
 def test_low_latency_timeout_poisons_the_buffer() -> None:
-    kernel, groups = _world(2)
+    ranks = SimulatedRanks(2)
     xs, idxs, _ = _inputs(2, 2, 4, 2, seed=5)
 
     def body(g):
@@ -187,12 +166,12 @@ def test_low_latency_timeout_poisons_the_buffer() -> None:
             buf.clean_low_latency_buffer(4, HIDDEN, 4)
         return buf
 
-    for res in _run(kernel, groups, body):
+    for res in ranks.run(body):
         assert not isinstance(res, BaseException), res
 
 
 def test_misuse_raises_what_deep_ep_raises() -> None:
-    kernel, groups = _world(2)
+    ranks = SimulatedRanks(2)
 
     def body(g):
         buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20)  # explicitly_destroy=False
@@ -211,13 +190,13 @@ def test_misuse_raises_what_deep_ep_raises() -> None:
             deep_ep.Buffer.set_num_sms(3)
         return "ok"
 
-    assert _run(kernel, groups, body) == ["ok", "ok"]
+    assert ranks.run(body) == ["ok", "ok"]
 
 
 def test_a_handle_from_another_ep_size_is_refused() -> None:
-    kernel, groups = _world(2)
+    ranks = SimulatedRanks(2)
     xs, idxs, ws = _inputs(2, 3, 4, 2, seed=9)
-    other = Rendezvous(kernel, "ep-other", [0, 1]).groups()
+    other = ranks.new_group("ep-other", [0, 1])
 
     def body(g):
         r = g.rank()
@@ -230,11 +209,12 @@ def test_a_handle_from_another_ep_size_is_refused() -> None:
             new.combine(torch.zeros(1, HIDDEN), handle)
         return "ok"
 
-    assert _run(kernel, groups, body) == ["ok", "ok"]
+    assert ranks.run(body) == ["ok", "ok"]
 
 
 def test_destructor_runs_the_collective_destroy_or_leaks_with_a_warning(capsys) -> None:
-    kernel, groups = _world(2)
+    ranks = SimulatedRanks(2)
+    kernel = ranks.kernel
     kept: list[Any] = []
 
     def body(g):
@@ -247,7 +227,7 @@ def test_destructor_runs_the_collective_destroy_or_leaks_with_a_warning(capsys) 
         strict.__del__()
         return count_before, world.init_count, strict.state
 
-    results = _run(kernel, groups, body)
+    results = ranks.run(body)
     assert results == [(1, 0, deep_ep.LEAKED), (1, 0, deep_ep.LEAKED)]
     assert "destroy() was not called" in capsys.readouterr().err
 
@@ -255,9 +235,8 @@ def test_destructor_runs_the_collective_destroy_or_leaks_with_a_warning(capsys) 
 @pytest.mark.parametrize("profile, outcome", [("stock", "hang"), ("elastic", "ok"), ("mi355", "error")])
 def test_nvshmem_reinit_at_a_new_ep_size(profile: str, outcome: str) -> None:
     """EP4 low-latency buffers destroyed, then EP2 ones on two of the same processes (a scale-down)."""
-    kernel, groups4 = _world(4)
-    deep_ep.configure(kernel, profile)
-    groups2 = Rendezvous(kernel, "ep2", [0, 1]).groups()
+    ranks = SimulatedRanks(4, nvshmem=profile)
+    groups2 = ranks.new_group("ep2", [0, 1])
 
     def body(g):
         buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
@@ -273,7 +252,7 @@ def test_nvshmem_reinit_at_a_new_ep_size(profile: str, outcome: str) -> None:
             return "error: " + str(exc)
         return f"ok {small._nvshmem_size}"
 
-    results = _run(kernel, groups4, body)
+    results = ranks.run(body)
     assert results[2:] == ["left", "left"]
     if outcome == "hang":
         assert all(r.startswith("hang") and "initialised for 4 ranks" in r for r in results[:2]), results
@@ -284,15 +263,30 @@ def test_nvshmem_reinit_at_a_new_ep_size(profile: str, outcome: str) -> None:
 
 
 def test_intranode_high_throughput_never_touches_nvshmem() -> None:
-    kernel, groups = _world(8)
+    ranks = SimulatedRanks(8)
+    kernel = ranks.kernel
 
     def body(g):
         deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True).destroy()
         return deep_ep._nvshmem.worlds(kernel).of(g.rank()).history
 
-    assert _run(kernel, groups, body) == [[]] * 8
+    assert ranks.run(body) == [[]] * 8
 
 
 def test_size_hint_grows_with_ep_size_and_experts() -> None:
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint
     assert hint(128, 7168, 16, 256) < hint(128, 7168, 32, 512) and hint(128, 7168, 16, 256) % 128 == 0
+
+
+def test_the_fake_deep_ep_fixture_gives_ranks_and_the_import(fake_deep_ep) -> None:
+    import deep_ep as imported
+
+    assert imported.Buffer is deep_ep.Buffer
+    ranks = fake_deep_ep(2, nvshmem="elastic")
+
+    def body(g):
+        buf = imported.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        buf.destroy()
+        return buf.state
+
+    assert ranks.run(body) == [deep_ep.DESTROYED, deep_ep.DESTROYED]
