@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 from typing import Optional
@@ -300,8 +301,19 @@ def bench(
     Console(width=max(120, Console().width)).print(table)
 
 
+def _quiet_fake_nixl() -> None:
+    """Communicators a run leaked (``gc.never``, a broken strategy) are finalized at interpreter exit, where the fake
+    NIXL would log each call it refuses, as the real one prints to stderr.  The run's history already says what
+    happened; after the command is done, those lines would only be noise under its output."""
+    import logging
+
+    log = logging.getLogger("epsim.fakes.nixl")
+    log.propagate, log.handlers = False, [logging.NullHandler()]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
+    atexit.register(_quiet_fake_nixl)
     try:
         # Without standalone mode click returns a command's exit status instead of exiting.
         status = app(args=argv, standalone_mode=False, prog_name="epsim")
