@@ -44,6 +44,7 @@ class NominalTimeModel(TimeModel):
 
 PREPARE_POLL_STEPS = 10  # serving goes on in chunks of this many steps while PREPARE runs in the background
 _HISTORY_FIELDS = ("agent", "pid", "peer", "op", "nbytes", "why", "sections")
+_XFER_KINDS = {"xfer.post": "nixl.xfer.post", "xfer.done": "nixl.xfer.done"}
 
 
 class Cluster:
@@ -90,8 +91,9 @@ class Cluster:
         self.oracles.on_fabric(kind, fields)
         if kind in ("memory.free",):
             return
-        if kind in ("xfer.post", "xfer.done"):  # half the events of a run: their fields are known
-            self.kernel.history.record(f"nixl.{kind}", agent=fields["agent"], pid=fields["pid"], peer=fields["peer"],
+        name = _XFER_KINDS.get(kind)
+        if name is not None:  # half the events of a run: their fields are known
+            self.kernel.history.record(name, agent=fields["agent"], pid=fields["pid"], peer=fields["peer"],
                                        op=fields["op"], nbytes=fields["nbytes"])
             return
         plain = {k: fields[k] for k in _HISTORY_FIELDS if k in fields}

@@ -71,6 +71,11 @@ class Oracles:
 
     # -- the fabric's events ----------------------------------------------------------------------------------
     def on_fabric(self, kind: str, f: dict[str, Any]) -> None:
+        if kind == "xfer.done":  # half of all events, and the other half (xfer.post) needs nothing here
+            self._check_transfer(f)
+            return
+        if kind == "xfer.post":
+            return
         conn = f.get("conn")
         if kind == "agent.create":
             self.live[conn] = SpanIndex()
@@ -97,8 +102,6 @@ class Oracles:
             self.peers[conn][f["peer"]] = f["peer_conn"]
         elif kind == "peer.remove":
             self.peers[conn].pop(f["peer"], None)
-        elif kind == "xfer.done":
-            self._check_transfer(f)
         elif kind == "agent.threads" and conn not in self._shared_use:
             self._shared_use.add(conn)  # one violation per agent: its first racing call is the finding
             self._problem("safety", "agent_threads",

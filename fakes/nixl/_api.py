@@ -308,21 +308,20 @@ class nixl_agent:
         return self.agent.checkRemoteMD(agent, descs) == nixlBind.NIXL_SUCCESS
 
     # -- descriptor lists -----------------------------------------------------------------------------------
-    @staticmethod
-    def _tensor_mem_type(tensor: Any) -> str:
-        return "DRAM" if tensor.get_device() == -1 else "VRAM"
-
     def _tensor_rows(self, tensors: list) -> Optional[tuple[str, list[tuple[int, int, int]]]]:
-        device = tensors[0].device
+        # get_device() is -1 on the CPU and the index on a GPU: one int compares what two devices would.  Every
+        # READ of EPLB comes through here, so each tensor costs four calls.
+        device = tensors[0].get_device()
         rows = []
         for t in tensors:
-            if t.device != device:
+            dev = t.get_device()
+            if dev != device:
                 return None
             if not t.is_contiguous():
                 logger.error("Please use a list of contiguous Tensors")
                 return None
-            rows.append((t.data_ptr(), t.numel() * t.element_size(), max(t.get_device(), 0)))
-        return self._tensor_mem_type(tensors[0]), rows
+            rows.append((t.data_ptr(), t.nbytes, dev if dev > 0 else 0))
+        return ("DRAM" if device == -1 else "VRAM"), rows
 
     def _descs(self, descs: Any, mem_type: Optional[str], cls: type, arity: int, wrong: type, wrong_msg: str):
         if isinstance(descs, cls):
