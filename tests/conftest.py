@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
+
+
+def epsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The ``epsim`` command in a fresh interpreter, as a user runs it: (return code, stdout, stderr)."""
+    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 # CI sets this: there, the real NIXL is installed on purpose, so failing to import it is an error, not a skip.
 REQUIRE_REAL_NIXL = os.environ.get("EPSIM_REQUIRE_REAL_NIXL") == "1"

@@ -18,20 +18,9 @@ N = 2
 
 def _fake() -> list[dict]:
     from fakes import deep_ep
-    from fakes.torch_dist import Rendezvous
-    from sim.kernel import Kernel
+    from sim.pytest_plugin import SimulatedRanks
 
-    kernel = Kernel(0)
-    groups = Rendezvous(kernel, "ep", list(range(N))).groups()
-    out: list = [None] * N
-
-    def rank_main(g):
-        out[g.rank()] = deep_ep_case.run_case(deep_ep.Buffer, g, g.rank(), N)
-
-    for g in groups:
-        kernel.spawn(f"rank{g.rank()}", rank_main, g, pid=g.rank())
-    kernel.run()
-    return out
+    return SimulatedRanks(N).run(lambda g: deep_ep_case.run_case(deep_ep.Buffer, g, g.rank(), N))
 
 
 def _real_rank(rank: int, port: int, module: str, results) -> None:

@@ -18,12 +18,9 @@ from sim import bundle, engines, resultsdb, swarm
 from sim import sweep as sweep_mod
 from sim.errors import ScenarioError
 from sim.scenario import load
+from tests.conftest import epsim
 
 PCA = "per-communicator-agent"
-
-
-def epsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_plan_is_the_cross_product_with_stable_distinct_keys() -> None:
