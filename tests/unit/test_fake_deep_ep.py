@@ -290,3 +290,68 @@ def test_the_fake_deep_ep_fixture_gives_ranks_and_the_import(fake_deep_ep) -> No
         return buf.state
 
     assert ranks.run(body) == [deep_ep.DESTROYED, deep_ep.DESTROYED]
+
+
+def _ll_buffer(g, ht: bool = False):
+    return deep_ep.Buffer(g, num_nvl_bytes=(1 << 20) if ht else 0, num_rdma_bytes=1 << 20, low_latency_mode=True,
+                          explicitly_destroy=True)
+
+
+def test_low_latency_after_high_throughput_needs_a_clean() -> None:
+    xs, idxs, ws = _inputs(2, 3, 4, 2, seed=11)
+
+    def body(g, clean: bool):
+        r = g.rank()
+        buf = _ll_buffer(g, ht=True)
+        _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 4)
+        buf.dispatch(xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                     topk_weights=ws[r])
+        if clean:
+            buf.clean_low_latency_buffer(4, HIDDEN, 4)
+        try:
+            buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
+        except deep_ep.DeepEPTimeout as exc:
+            return buf.state, "clean_low_latency_buffer was not called" in str(exc)
+        return buf.state, None
+
+    assert SimulatedRanks(2).run(lambda g: body(g, True)) == [(deep_ep.AVAILABLE, None)] * 2
+    assert SimulatedRanks(2).run(lambda g: body(g, False)) == [(deep_ep.POISONED, True)] * 2
+
+
+def test_low_latency_parity_skew_hangs_the_rank_left_alone() -> None:
+    """Rank 1 issues one extra LL call (a dummy batch).  Calls pair by position: rank 0's last call meets rank 1's
+    extra one (garbage on real hardware: different batches), and rank 1's last call waits for a peer that never
+    comes, then traps."""
+    xs, idxs, ws = _inputs(2, 2, 4, 2, seed=12)
+
+    def body(g):
+        r = g.rank()
+        buf = _ll_buffer(g)
+        calls = 2 if r == 1 else 1
+        try:
+            for _ in range(calls):
+                buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
+            recv, count, handle, _, _ = buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
+        except deep_ep.DeepEPTimeout as exc:
+            return buf.state, exc.missing
+        return buf.state, None
+
+    results = SimulatedRanks(2).run(body)
+    assert results == [(deep_ep.AVAILABLE, None), (deep_ep.POISONED, [0])]
+
+
+def test_at_most_two_low_latency_results_in_flight() -> None:
+    xs, idxs, ws = _inputs(2, 2, 4, 2, seed=13)
+
+    def body(g):
+        r = g.rank()
+        buf = _ll_buffer(g)
+        first = buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
+        buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
+        buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)  # writes the first one's buffer again
+        recv_x, _, handle, _, _ = first
+        with pytest.raises(RuntimeError, match="reused by a later low-latency call"):
+            buf.low_latency_combine(recv_x, idxs[r], ws[r], handle)
+        return "ok"
+
+    assert SimulatedRanks(2).run(body) == ["ok", "ok"]
