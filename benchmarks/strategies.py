@@ -57,9 +57,8 @@ class CarefulSharedAgent(SharedAgentNixlCommunicator):
                 descs = agent.get_reg_descs(self._tensors(), self._mem)
                 fresh = [d for d in _desc_keys(descs) if d not in self._shared.registered]
                 if fresh:
-                    mine = [k for k in _desc_keys(descs) if k in set(fresh)]
-                    agent.register_memory(agent.get_reg_descs([(a, n, d, "") for a, n, d in mine], self._mem))
-                    self._shared.registered.update(mine)
+                    agent.register_memory(agent.get_reg_descs([(a, n, d, "") for a, n, d in fresh], self._mem))
+                    self._shared.registered.update(fresh)
         # The group's agent names, so that the communicator this one replaces can drop the others.  Every member
         # builds its communicator at once (PREPARE on the old ranks, start on the joining ones): a collective here
         # is safe.

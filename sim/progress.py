@@ -11,23 +11,22 @@ from __future__ import annotations
 from time import perf_counter as _wall  # the real clock: bound before any run patches the time module
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 _EVERY_S = 0.25  # redraw at most this often (wall seconds)
 
 
-class RunProgress:
-    def __init__(self, scenario: str, steps: int) -> None:
+class _Bar:
+    """A rich progress display on stderr, drawn only when stderr is a terminal, started and stopped as a context."""
+
+    def __init__(self, *columns, **options) -> None:
         console = Console(stderr=True)
         self.enabled = console.is_terminal
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("steps · {task.fields[sim]}"), TimeElapsedColumn(),
-                                  console=console, transient=True, auto_refresh=False)
-        self._task = self._progress.add_task(scenario, total=steps, sim="")
+        self._progress = Progress(*columns, console=console, **options)
         self._started = _wall()
-        self._drawn = 0.0
 
-    def __enter__(self) -> RunProgress:
+    def __enter__(self):
         if self.enabled:
             self._progress.start()
         return self
@@ -35,6 +34,15 @@ class RunProgress:
     def __exit__(self, *exc) -> None:
         if self.enabled:
             self._progress.stop()
+
+
+class RunProgress(_Bar):
+    def __init__(self, scenario: str, steps: int) -> None:
+        super().__init__(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TextColumn("steps · {task.fields[sim]}"), TimeElapsedColumn(),
+                         transient=True, auto_refresh=False)
+        self._task = self._progress.add_task(scenario, total=steps, sim="")
+        self._drawn = 0.0
 
     def __call__(self, step: int, sim_s: float) -> None:
         if not self.enabled:
@@ -48,31 +56,16 @@ class RunProgress:
         self._progress.refresh()
 
 
-class SweepProgress:
+class SweepProgress(_Bar):
     """Runs done of planned, failures so far, runs per second and time left, on stderr when it is a terminal."""
 
     def __init__(self, total: int) -> None:
-        from rich.progress import TimeRemainingColumn
-
-        console = Console(stderr=True)
-        self.enabled = console.is_terminal
-        self._progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
-                                  TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(),
-                                  TextColumn("left"),
-                                  console=console, transient=False)
+        super().__init__(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
+                         TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
+                         TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
+                         transient=False)
         self._task = self._progress.add_task("sweep", total=total, failures=0, rate="")
-        self._started = _wall()
         self._done = self._failures = 0
-
-    def __enter__(self) -> SweepProgress:
-        if self.enabled:
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self._progress.stop()
 
     def __call__(self, row: dict) -> None:
         self._done += 1

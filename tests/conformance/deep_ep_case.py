@@ -24,11 +24,27 @@ def expert(e: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The MoE layer in one process: each token through its top-k experts, weighted (-1: an unused slot)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for k in range(idx.shape[1]):
-            out[t] += w[t, k] * expert(int(idx[t, k]), x[t])
+            e = int(idx[t, k])
+            if e >= 0:
+                out[t] += w[t, k] * expert(e, x[t])
     return out
+
+
+def local_experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int,
+                  per: int) -> torch.Tensor:
+    """One rank's share after a high-throughput dispatch: each received token through its local experts,
+    weighted (recv_idx holds local expert ids, -1 for experts elsewhere)."""
+    y = torch.zeros_like(recv_x)
+    for i in range(recv_x.shape[0]):
+        for k in range(recv_idx.shape[1]):
+            le = int(recv_idx[i, k])
+            if le >= 0:
+                y[i] += recv_w[i, k] * expert(rank * per + le, recv_x[i])
+    return y
 
 
 def run_case(buffer_cls: Any, group: Any, rank: int, n: int, device: str = "cpu") -> dict[str, Any]:
@@ -41,14 +57,7 @@ def run_case(buffer_cls: Any, group: Any, rank: int, n: int, device: str = "cpu"
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=idx, topk_weights=w)
-    per = experts // n
-    y = torch.zeros_like(recv_x)
-    for i in range(recv_x.shape[0]):
-        for k in range(TOPK):
-            le = int(recv_idx[i, k])
-            if le >= 0:
-                y[i] += recv_w[i, k] * expert(rank * per + le, recv_x[i])
-    combined, _, _ = buf.combine(y, handle)
+    combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, rank, experts // n), handle)
     error = float((combined.cpu() - reference(xs[rank], idxs[rank], ws[rank])).abs().max())
     buf.destroy()
     after_destroy = None

@@ -11,6 +11,7 @@ import torch
 
 from fakes import deep_ep
 from sim.pytest_plugin import SimulatedRanks
+from tests.conformance.deep_ep_case import expert, local_experts, reference
 
 HIDDEN = 128
 
@@ -27,22 +28,8 @@ def _inputs(n: int, tokens: int, experts: int, topk: int, seed: int):
     return xs, idxs, ws
 
 
-def _expert(e: int, x: torch.Tensor) -> torch.Tensor:
-    return x * (e + 1) + e  # a different function per expert, so a token at the wrong expert shows
-
-
-def _reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            e = int(idx[t, k])
-            if e >= 0:
-                out[t] += w[t, k] * _expert(e, x[t])
-    return out
-
-
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
-def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
+def test_high_throughput_dispatch_combine_equals_thereference(n: int) -> None:
     experts, topk, tokens = 4 * n, 4, 6
     xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=n)
     ranks = SimulatedRanks(n)
@@ -56,14 +43,7 @@ def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
             topk_idx=idxs[r], topk_weights=ws[r])
         per = experts // n
         assert counts == [int((recv_idx == e).sum()) for e in range(per)]
-        # the MoE layer's local work: each received token through its local experts, weighted
-        y = torch.zeros_like(recv_x)
-        for i in range(recv_x.shape[0]):
-            for k in range(topk):
-                le = int(recv_idx[i, k])
-                if le >= 0:
-                    y[i] += recv_w[i, k] * _expert(r * per + le, recv_x[i])
-        combined, _, _ = buf.combine(y, handle)
+        combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, r, per), handle)
         buf.destroy()
         return combined, per_rank, recv_x.shape[0]
 
@@ -71,14 +51,14 @@ def test_high_throughput_dispatch_combine_equals_the_reference(n: int) -> None:
     for r, res in enumerate(results):
         assert not isinstance(res, BaseException), res
         combined, per_rank, _ = res
-        torch.testing.assert_close(combined, _reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(combined, reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
     # every rank received exactly what the layouts said the others would send it
     for dst in range(n):
         assert results[dst][2] == sum(int(results[src][1][dst]) for src in range(n))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
-def test_low_latency_dispatch_combine_equals_the_reference(n: int) -> None:
+def test_low_latency_dispatch_combine_equals_thereference(n: int) -> None:
     experts, topk, tokens, max_tokens = 2 * n, 3, 4, 8
     xs, idxs, ws = _inputs(n, tokens, experts, topk, seed=100 + n)
     ranks = SimulatedRanks(n)
@@ -96,14 +76,14 @@ def test_low_latency_dispatch_combine_equals_the_reference(n: int) -> None:
         y = torch.zeros_like(recv_x)
         for le in range(per):
             c = int(count[le])
-            y[le, :c] = _expert(r * per + le, recv_x[le, :c])
+            y[le, :c] = expert(r * per + le, recv_x[le, :c])
         combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], handle)
         buf.destroy()
         return combined
 
     for r, res in enumerate(ranks.run(body)):
         assert not isinstance(res, BaseException), res
-        torch.testing.assert_close(res, _reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(res, reference(xs[r], idxs[r], ws[r]), rtol=1e-5, atol=1e-4)
 
 
 def test_fp8_low_latency_dispatch_returns_data_and_scales_that_dequantise() -> None:
