@@ -1,0 +1,257 @@
+"""The engine: a scenario's timeline as vLLM's engine drives its workers, for every world epsim runs in.
+
+Serving in chunks (steady serving needs no event per step), an EPLB rebalance every ``step_interval`` steps, elastic
+events as vLLM runs them (PREPARE in the background while serving goes on, then COMMIT; a scale-down rebalances
+through the old group first), then healing, one more rebalance to show convergence, and shutdown.
+
+The timeline is the same whether the workers are simulated (:class:`sim.cluster.Cluster`, greenlets in simulated
+time) or real processes (:class:`real_backends.cluster.RealCluster`, wall clock); a world supplies the hooks at the
+bottom of :class:`Engine`: how to record an event, start a worker, post it a command and wait for commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .eplb import policy
+from .eplb.state import ModelShape, Placement
+from .rng import derive_seed
+from .worker import Command
+
+PREPARE_POLL_STEPS = 10  # serving goes on in chunks of this many steps while PREPARE runs in the background
+
+
+class Engine:
+    """A run's timeline.  Subclasses set ``scenario``, ``seed``, ``faults`` and ``on_progress`` and call
+    :meth:`init_engine` before :meth:`engine` runs."""
+
+    scenario: Any
+    seed: int
+    faults: Any
+    on_progress: Any
+
+    def init_engine(self) -> None:
+        m = self.scenario.model
+        self.shape = ModelShape(m.layers, m.experts, m.local_experts, m.hidden)
+        self.workers: dict[int, Any] = {}
+        self.members: list[int] = []
+        self.placement: Placement | None = None
+        self.generation = 0
+        self.step = 0
+        self.rdv: Any = None  # the current EP/EPLB group
+        self._next_pid = 0
+        self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
+        self._route_epoch = -1
+        self._route_probs: np.ndarray | None = None
+
+    def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
+        pids = self.members if pids is None else pids
+        return self._join({p: self.workers[p].post(Command(kind, dict(args))) for p in pids}, f"{kind} on {pids}")
+
+    # -- the timeline -------------------------------------------------------------------------------------------
+    def engine(self) -> None:
+        sc = self.scenario
+        rdv = self.rdv = self.new_group(list(range(sc.ranks)))
+        self.placement = Placement.initial(self.shape, sc.ranks)
+        groups = rdv.groups()
+        for r in range(sc.ranks):
+            self.spawn_worker(groups[r], r, self.placement)
+        self.members = list(range(sc.ranks))
+        self._set_members(rdv)
+        if not self._all("start"):
+            return
+        events = list(sc.timeline)
+        next_rebalance = sc.eplb.first_rebalance_step
+        while self.step < sc.steps:
+            if self.on_progress is not None:
+                self.on_progress(self.step, self.now())
+            self.faults.at_step(self.step)
+            if events and events[0].at_step <= self.step:
+                if not self.elastic(events.pop(0)):
+                    return
+                continue
+            if self.step >= next_rebalance:
+                if not self.rebalance():
+                    return
+                next_rebalance += sc.eplb.step_interval
+                continue
+            stop = min(sc.steps, next_rebalance, events[0].at_step if events else sc.steps,
+                       self.faults.next_step(self.step))  # a fault is armed at its step, not at the chunk's end
+            if not self.serve(stop - self.step):
+                return
+        self.faults.heal()
+        if self.rebalance():
+            self.shutdown()
+        self.halt()
+
+    def _set_members(self, rdv) -> None:
+        self.record("engine.members", group=rdv.name, members=list(rdv.pids))
+
+    def serve(self, steps: int) -> bool:
+        sc = self.scenario
+        drift = sc.serving.drift_every_steps
+        while steps > 0:
+            chunk = steps
+            if drift:
+                chunk = min(chunk, drift - self.step % drift)
+            epoch = self.step // drift if drift else 0
+            probs = self._probs(epoch)
+            loads = self._route(chunk, probs)
+            self.record("engine.serve", step=self.step, steps=chunk)
+            if not self._join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
+                               for i, p in enumerate(self.members)}, f"serving steps {self.step}..{self.step + chunk}"):
+                return False
+            self.step += chunk
+            steps -= chunk
+        return True
+
+    def _route(self, steps: int, probs: np.ndarray) -> list[np.ndarray]:
+        """Expert load of ``steps`` forward steps, per member: a (layers, experts) token count each.
+
+        The group's tokens are routed in one exact multinomial draw per layer, then dealt out evenly, the
+        remainder (under one token per member and expert) to one member in turn; so the all-reduced load is an
+        exact sample of the routing distribution.  DP ranks see statistically identical traffic, and per-rank draws
+        would cost a multinomial per rank per layer per chunk (about 1 M binomials per chunk at EP64).  Members
+        only read their arrays, so the even share is one array for all of them.
+        """
+        sc = self.scenario
+        n = len(self.members)
+        draws = steps * sc.serving.tokens_per_step * sc.serving.top_k * n
+        total = self._routing.multinomial(draws, probs)  # (layers, experts)
+        share, rest = np.divmod(total, n)
+        share.flags.writeable = False
+        loads = [share] * n
+        loads[self.step % n] = share + rest
+        return loads
+
+    def _probs(self, epoch: int) -> np.ndarray:
+        if epoch != self._route_epoch:
+            m, skew = self.scenario.model, self.scenario.serving.skew
+            rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, f"routing-epoch-{epoch}")))
+            ranks = np.arange(1, m.experts + 1, dtype=np.float64)
+            base = ranks ** -skew
+            self._route_probs = np.stack([rng.permutation(base) / base.sum() for _ in range(m.layers)])
+            self._route_epoch = epoch
+        return self._route_probs
+
+    def total_load(self, pids: list[int]) -> np.ndarray:
+        total = np.zeros((self.scenario.model.layers, self.scenario.model.experts), dtype=np.int64)
+        for p in pids:
+            total += self.workers[p].load.total()
+        return total
+
+    def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None) -> bool:
+        """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping)."""
+        old = self.placement
+        size = new_size or len(self.members)
+        self.before_rebalance()
+        new = policy.rebalance(self.total_load(self.members), self.shape, size)
+        if size == old.ep_size and new == old:
+            new = old
+        self.record("engine.rebalance", step=self.step, ep_size=size)
+        ok = self._all("rearrange", old=old, new=new, mapping=mapping)
+        if ok and self.scenario.eplb.use_async:
+            ok = self._all("drain")
+        self.placement = new
+        return ok
+
+    def elastic(self, event) -> bool:
+        self.record(f"engine.{event.kind}", step=self.step, to=event.to, rank=event.rank)
+        if event.kind == "fail_rank":
+            self.fail_rank(self.members[event.rank])
+            return True  # vLLM has no rank-failure recovery yet (#46370): the others find out the hard way
+        old_members = list(self.members)
+        size = event.to
+        if size > len(old_members):
+            new_members = old_members + [self._next_pid + i for i in range(size - len(old_members))]
+        else:
+            new_members = old_members[:size]
+        rdv = self.new_group(new_members)
+        groups = rdv.groups()
+        fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
+        joined = {w.pid: w.post(Command("start")) for w in fresh}
+        prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
+                                                                "prepare_s": event.prepare_s}))
+                    for p in old_members if p in new_members}
+        if not self._join({**joined, **prepared}, "PREPARE"):
+            return False
+        # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator.
+        while not self.prepared(prepared):
+            if not self.serve(PREPARE_POLL_STEPS):
+                return False
+        if event.kind == "abort":
+            if not self._all("abort", [p for p in old_members if p in new_members]):
+                return False
+            return self._retire([w.pid for w in fresh], rdv)
+        if size > len(old_members):  # scale-up: commit, then reshuffle on the new group
+            if not self._all("commit", [p for p in old_members]):
+                return False
+            self._retire([], self.rdv)
+            self.rdv, self.members = rdv, new_members
+            self._set_members(rdv)
+            ok = self.rebalance(mapping={r: r for r in range(len(old_members))})
+        else:  # scale-down: rebalance through the old group first, then the survivors commit and the rest leave
+            mapping = {r: (r if r < size else -1) for r in range(len(old_members))}
+            if not self.rebalance(new_size=size, mapping=mapping):
+                return False
+            if not self._all("commit", new_members):
+                return False
+            old_rdv, self.rdv, self.members = self.rdv, rdv, new_members
+            self._set_members(rdv)
+            ok = self._retire([p for p in old_members if p not in new_members], old_rdv)
+        if ok:
+            self.reconfigured(self.members)
+        return ok
+
+    def _retire(self, pids: list[int], rdv) -> bool:
+        ok = self._all("exit", pids) if pids else True
+        for pid in pids:
+            self.end_process(pid)  # the process is gone; anything its threads still held goes with it
+        if rdv is not None:
+            rdv.destroyed = True
+        return ok
+
+    def shutdown(self) -> None:
+        self.record("engine.shutdown", step=self.step)
+        live = [p for p in self.members if self.workers[p].alive]
+        self._all("exit", live)
+
+    # -- what a world supplies ------------------------------------------------------------------------------------
+    def record(self, kind: str, **fields: Any) -> None:
+        raise NotImplementedError
+
+    def now(self) -> float:
+        raise NotImplementedError
+
+    def new_group(self, members: list[int]) -> Any:
+        """A group over pids ``members``: ``.name``, ``.pids``, ``.groups()`` (one per member rank), ``.destroyed``."""
+        raise NotImplementedError
+
+    def spawn_worker(self, group, rank: int, placement: Placement | None) -> Any:
+        """A started worker (``.pid``, ``.alive``, ``.load``, ``.post(Command)`` returning a handle to join)."""
+        raise NotImplementedError
+
+    def _join(self, pending: dict[int, Any], what: str) -> bool:
+        """Wait for every worker's command (pid -> handle); False (and a liveness problem) if some never finish."""
+        raise NotImplementedError
+
+    def prepared(self, handles: dict[int, Any]) -> bool:
+        """Whether every PREPARE posted (pid -> handle of the prepare command) has built its communicator."""
+        raise NotImplementedError
+
+    def fail_rank(self, pid: int) -> None:
+        raise NotImplementedError
+
+    def end_process(self, pid: int) -> None:
+        """A worker that exited is gone for good."""
+
+    def before_rebalance(self) -> None:
+        """A rebalance starts: every earlier move has finished (drained)."""
+
+    def reconfigured(self, members: list[int]) -> None:
+        """An elastic reconfiguration completed with ``members``."""
+
+    def halt(self) -> None:
+        """The timeline is over."""
