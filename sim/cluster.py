@@ -76,17 +76,9 @@ class Cluster(Engine):
 
     def _on_fabric(self, kind: str, fields: dict[str, Any]) -> None:
         self.oracles.on_fabric(kind, fields)
-        if kind in ("memory.free",):
-            return
-        name = _XFER_KINDS.get(kind)
-        if name is not None:  # half the events of a run: their fields are known
-            self.kernel.history.record(name, agent=fields["agent"], pid=fields["pid"], peer=fields["peer"],
-                                       op=fields["op"], nbytes=fields["nbytes"])
-            return
-        plain = {k: fields[k] for k in _HISTORY_FIELDS if k in fields}
-        if "ranges" in fields:
-            plain["regions"] = len(fields["ranges"])
-        self.kernel.history.record(f"nixl.{kind}", **plain)
+        entry = fabric_record(kind, fields)
+        if entry is not None:
+            self.kernel.history.record(entry[0], **entry[1])
 
     def restart_agents(self, pid: int) -> list[str]:
         """Fault ``peer.restart``: every live agent of ``pid`` restarts in place under its name (on pid's thread)."""
@@ -205,6 +197,21 @@ class Cluster(Engine):
             self.oracles.stuck(f"the engine did not finish: {engine!r}")
         if not self.oracles.problems:
             self.oracles.after_shutdown()
+
+
+def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The history record of a NIXL event (the fake's fabric events, or a real rank's ledger): its plain fields,
+    a registration's region count instead of its ranges; None for events the history leaves out."""
+    if kind == "memory.free":
+        return None
+    name = _XFER_KINDS.get(kind)
+    if name is not None:  # half the events of a run: their fields are known
+        return name, {"agent": fields["agent"], "pid": fields["pid"], "peer": fields["peer"], "op": fields["op"],
+                      "nbytes": fields["nbytes"]}
+    plain = {k: fields[k] for k in _HISTORY_FIELDS if k in fields}
+    if "ranges" in fields:
+        plain["regions"] = len(fields["ranges"])
+    return f"nixl.{kind}", plain
 
 
 def _frozen(mapping) -> Any:

@@ -124,14 +124,7 @@ class Worker:
                 self.kernel.sleep(self.cluster.scenario.serving.step_time_s, "async EPLB: one layer per step")
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
-            comm.set_transfer_context(old_idx, layer)
-            move.stage_local_copies(self.weights[layer], self.buffer, plan)
-            for dst_rank, logical in plan.sends:
-                comm.add_send(self._rows(self.weights[layer], plan.send_row(logical)), dst_rank, logical)
-            for dst_row, src_rank, logical in plan.recvs:
-                comm.add_recv(self._rows(self.buffer, dst_row), src_rank, logical)
-            comm.execute()
-            move.move_from_buffer(self.weights[layer], self.buffer, plan)
+            move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows)
         space = move.rank_space(old, new, mapping)
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None

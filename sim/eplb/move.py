@@ -276,3 +276,18 @@ def rearrange_in_memory(old: Placement, new: Placement, weights, rank_mapping: R
             buffers.append(buf)
         for c, plan in enumerate(plans):
             move_from_buffer(weights[c][layer], buffers[c], plan)
+
+
+def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows) -> None:
+    """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
+    local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
+    ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The simulated and the
+    real workers both move through here, so the code under test sees the same call sequence in every world."""
+    comm.set_transfer_context(old_indices, layer)
+    stage_local_copies(weights_layer, buffer, plan)
+    for dst_rank, logical in plan.sends:
+        comm.add_send(rows(weights_layer, plan.send_row(logical)), dst_rank, logical)
+    for dst_row, src_rank, logical in plan.recvs:
+        comm.add_recv(rows(buffer, dst_row), src_rank, logical)
+    comm.execute()
+    move_from_buffer(weights_layer, buffer, plan)

@@ -1,0 +1,333 @@
+"""The real deployment: the scenario's timeline (:class:`sim.engine.Engine`) driving one OS process per rank.
+
+The parent hosts the key-value store the ranks' gloo groups meet in, starts rank processes
+(:mod:`real_backends.rank`), posts them commands over pipes and collects what they stream back: command completions,
+crashes, and every event of their history, each stamped with the host's monotonic clock.  After the run the
+events are merged in time order and judged by the simulation's oracles (:mod:`real_backends.judge`).
+
+No process outlives a run: every rank dies with the parent (``PR_SET_PDEATHSIG``), and the parent kills whatever is
+left when the run ends, fails or is interrupted.  Everything binds to loopback: the store on 127.0.0.1, gloo on
+``lo``, UCX on ``lo`` (host memory moves by shared memory / CMA, which binds nothing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim import faults as fault_catalogue
+from sim.engine import PREPARE_POLL_STEPS, Engine
+from sim.eplb.state import LoadWindow, Placement
+
+from .groups import RealGroup
+from .rank import RankConfig, rank_main
+
+_cmd_ids = itertools.count(1)
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
+                "UCX_LOG_LEVEL": "error", "OMP_NUM_THREADS": "1"}
+
+
+class RealFaultRefused(ValueError):
+    """A fault only the fake NIXL can produce was asked of the real backend."""
+
+
+REAL_SITES = frozenset(fault_catalogue.GC_SITES) | frozenset(fault_catalogue.WORKER_SITES)
+
+
+def check_real_faults(armed: list[fault_catalogue.Armed]) -> None:
+    for a in armed:
+        if a.site not in REAL_SITES:
+            raise RealFaultRefused(
+                f"fault {a.site} exists only in the fake NIXL; the real backend injects "
+                f"{', '.join(sorted(REAL_SITES))} (and the scenario's fail_rank events)")
+
+
+@dataclass
+class Handle:
+    """A command posted to a rank: done when it replies (or when the run gives up on it)."""
+
+    pid: int
+    kind: str
+    event: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    prepared: threading.Event | None = None  # PREPARE only: set when its background thread built the communicator
+
+
+class _Clock:
+    """What the fault plan needs of a fabric when there is none: the time, and nothing to disarm."""
+
+    class _Board:
+        def disarm_all(self) -> None:
+            pass
+
+    faults = _Board()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class RankProcess:
+    def __init__(self, cluster: "RealCluster", pid: int, cfg: RankConfig) -> None:
+        self.cluster, self.pid = cluster, pid
+        self.load = LoadWindow(cluster.scenario.model.layers, cluster.scenario.model.experts,
+                               max(1, cluster.scenario.eplb.window))
+        self.alive = True
+        self.pending: dict[int, Handle] = {}
+        self.prepare: Handle | None = None
+        self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=rank_main, args=(child, cfg), name=f"epsim-rank-{pid}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self.cluster.inbox.put((self.pid, msg))
+        self.cluster.inbox.put((self.pid, ("eof",)))
+
+    def post(self, cmd) -> Handle:
+        h = Handle(self.pid, cmd.kind)
+        args = dict(cmd.args)
+        gc_faults, extra = self.cluster.choose_faults(self, cmd.kind)
+        args.update(extra)
+        if cmd.kind == "prepare":
+            h.prepared = threading.Event()
+            self.prepare = h
+        elif cmd.kind == "serve":
+            self.load.record(args["loads"], args["steps"])
+        elif cmd.kind == "abort":
+            self.has_aborted = True
+        cmd_id = next(_cmd_ids)
+        self.pending[cmd_id] = h
+        try:
+            self.conn.send(("cmd", cmd_id, cmd.kind, args, self.cluster.step, gc_faults))
+        except (OSError, ValueError):
+            pass  # a dead rank: the join that waits for it reports it
+        return h
+
+
+class RealCluster(Engine):
+    def __init__(self, scenario, *, seed: int, strategy: str, faults: list[fault_catalogue.Armed] = (),
+                 device: str = "cpu", timeout_s: float = 120.0, on_progress=None) -> None:
+        from sim.eplb.communicators import plugins
+
+        check_real_faults(list(faults))
+        plugins.load(strategy, fresh=False)  # a missing or broken strategy is a one-line error before anything starts
+        self.scenario, self.seed, self.strategy, self.device = scenario, seed, strategy, device
+        self.timeout_s = timeout_s
+        self.on_progress = on_progress
+        self.init_engine()
+        self.events: list[tuple[float, int, int, str, dict[str, Any]]] = []
+        self._seq = itertools.count()
+        self.faults = fault_catalogue.FaultPlan(list(faults), _Clock(), _Recorder(self))
+        self.inbox: queue.Queue = queue.Queue()
+        self.crashed: list[int] = []
+        self.stuck: list[str] = []
+        self.completed = False  # the timeline ran to its end, shutdown included
+        self.t0 = time.monotonic()
+        self._store = None
+
+    # -- messages from the ranks --------------------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Handle every message that arrives within ``timeout`` seconds (at least one wait)."""
+        try:
+            item = self.inbox.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, pid: int, msg: tuple) -> None:
+        kind = msg[0]
+        w = self.workers.get(pid)
+        if kind == "event":
+            _, t, src, seq, what, fields = msg
+            self.events.append((t, src, seq, what, fields))
+        elif kind == "done":
+            h = w.pending.pop(msg[1], None)
+            if h is not None:
+                h.value = msg[2]
+                if h.prepared is not None:
+                    h.value = h.prepared
+                h.event.set()
+        elif kind == "prepared":
+            if w.prepare is not None and w.prepare.prepared is not None:
+                w.prepare.prepared.set()
+        elif kind == "crash":
+            self.crashed.append(pid)
+        elif kind == "eof":
+            w.alive = False
+
+    # -- the engine's hooks ---------------------------------------------------------------------------------------
+    def record(self, kind: str, **fields: Any) -> None:
+        self.events.append((time.monotonic(), -1, next(self._seq), kind, fields))
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def new_group(self, members: list[int]) -> RealGroup:
+        group = RealGroup(f"eplb#{self.generation}", list(members))
+        self.generation += 1
+        return group
+
+    def spawn_worker(self, group, rank: int, placement: Placement | None) -> RankProcess:
+        pid = self._next_pid
+        self._next_pid += 1
+        cfg = RankConfig(pid=pid, parent=os.getpid(), scenario=self.scenario.model_dump(mode="json"),
+                         strategy=self.strategy, device=self._device_of(pid), store=("127.0.0.1", self._store.port),
+                         group=group, placement=placement, timeout_s=self.timeout_s)
+        w = RankProcess(self, pid, cfg)
+        self.workers[pid] = w
+        self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank)
+        return w
+
+    def _device_of(self, pid: int) -> str:
+        """One process per GPU: rank processes take the visible GPUs in turn."""
+        if self.device != "cuda":
+            return self.device
+        import torch
+
+        return f"cuda:{pid % max(1, torch.cuda.device_count())}"
+
+    def _join(self, pending: dict[int, Handle], what: str) -> bool:
+        deadline = time.monotonic() + self.timeout_s
+        while not all(h.event.is_set() for h in pending.values()):
+            if self.crashed:
+                return False
+            dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].proc.is_alive()]
+            if dead or time.monotonic() > deadline:
+                late = [p for p, h in pending.items() if not h.event.is_set()]
+                why = f"pids {dead} exited" if dead else f"no answer within {self.timeout_s:g} s"
+                self.stuck.append(f"{what}: {why}; waiting for pids {late}")
+                self.record("engine.stuck", what=what, pids=late)
+                return False
+            self._pump(0.05)
+        return not self.crashed
+
+    def prepared(self, handles: dict[int, Handle]) -> bool:
+        # Serving goes on while PREPARE runs, in chunks of PREPARE_POLL_STEPS steps of the scenario's step time.
+        deadline = time.monotonic() + PREPARE_POLL_STEPS * self.scenario.serving.step_time_s
+        while True:
+            if all(h.value.is_set() for h in handles.values()):
+                return True
+            if self.crashed or time.monotonic() > deadline:
+                return False
+            self._pump(0.01)
+
+    def fail_rank(self, pid: int) -> None:
+        w = self.workers[pid]
+        w.proc.kill()
+        w.proc.join(10)
+        w.alive = False
+        self.record("process.kill", pid=pid, signal="SIGKILL")
+
+    def end_process(self, pid: int) -> None:
+        w = self.workers[pid]
+        w.proc.join(self.timeout_s)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(10)
+        w.alive = False
+        self.record("process.exit", pid=pid, code=w.proc.exitcode)
+
+    def reconfigured(self, members: list[int]) -> None:
+        self.record("engine.reconfigured", members=list(members))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for p in list(self.members):
+            if self.workers[p].alive or self.workers[p].proc.is_alive():
+                self.end_process(p)
+        self.completed = not self.crashed and not self.stuck
+
+    # -- faults decided by the parent ---------------------------------------------------------------------------
+    def choose_faults(self, w: RankProcess, kind: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
+        PREPARE, taken from the plan here so that ``times`` counts across processes as in the simulation."""
+        drops = {"commit": ["old communicator"], "exit": ["prepared", "aborted", "communicator at exit"],
+                 "prepare": ["aborted communicator"] if w.has_aborted else []}.get(kind, [])
+        gc_faults = {}
+        for what in drops:
+            fault = self.faults.take_gc(w.pid, what)
+            if fault is not None:
+                gc_faults[what] = {"site": fault.site, **fault.params}
+        extra: dict[str, Any] = {}
+        if kind == "prepare":
+            w.has_aborted = False
+            for site, flag in (("storage.move", "storage_move"), ("peer.restart", "peer_restart")):
+                extra[flag] = self.faults.take({site: fault_catalogue.WORKER_SITES[site]}, w.pid,
+                                               "expert_buffer" if site == "storage.move" else "agents") is not None
+        return gc_faults, extra
+
+    # -- the run ------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        from torch.distributed import TCPStore
+
+        saved_env = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+        os.environ.update({k: v for k, v in LOOPBACK_ENV.items() if k not in os.environ or k == "OMP_NUM_THREADS"})
+        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+            else None
+        try:
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.engine()
+        finally:
+            self.stop_all()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """Every rank process ends: those still running get ``grace_s`` to finish, then SIGKILL; their last
+        messages are collected."""
+        for w in self.workers.values():
+            if w.proc.is_alive():
+                w.conn.close()  # a rank waiting for a command reads EOF and exits the normal way
+        deadline = time.monotonic() + grace_s
+        for w in self.workers.values():
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(10)
+                self.record("process.kill", pid=w.pid, signal="SIGKILL", why="still running at the end of the run")
+        for w in self.workers.values():
+            w.reader.join(5)
+        self._pump(0.0)
+        self._store = None
+
+
+class _Recorder:
+    """The history interface the fault plan records into."""
+
+    def __init__(self, cluster: RealCluster) -> None:
+        self.cluster = cluster
+
+    def record(self, kind: str, **fields: Any) -> None:
+        self.cluster.record(kind, **fields)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

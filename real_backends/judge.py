@@ -1,0 +1,74 @@
+"""Judging a real run: the ranks' merged event history replayed through the simulation's oracles.
+
+Every rank streamed its events stamped with the host's monotonic clock; merged in time order they are one history,
+and :class:`sim.oracles.Oracles` sees the ledger events exactly as it sees the fake fabric's: agent names become the
+connection of the agent that carried the name at that moment, so a peer loaded by name is tied to the process that
+owned it.  The engine's markers (a reconfiguration completed, a rank's weights checked, a crash) call the same
+checks the simulation calls at the same points.
+
+Across processes "at that moment" is only as good as the clock: a READ is judged at the moment it completed,
+which the reading process observed after the source's memory was read.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from sim.cluster import fabric_record
+from sim.oracles import Oracles, Problem
+from sim.trace import History
+
+LEDGER = frozenset({"agent.create", "agent.destroy", "register", "deregister", "peer.load", "peer.remove",
+                    "xfer.post", "xfer.done", "agent.threads"})
+# A collective that fails because a member died is what the simulation calls a collective timeout: gloo notices
+# the closed connection at once instead of waiting out the timeout.
+COLLECTIVE_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Gloo",
+                      "gloo", "Socket Timeout")
+
+
+def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, *, completed: bool,
+          stuck: list[str]) -> tuple[History, Oracles]:
+    clock = [0.0]
+    history = History(lambda: clock[0])
+    oracles = Oracles(SimpleNamespace(kernel=SimpleNamespace(history=history)))
+    by_name: dict[str, str] = {}  # agent name -> the connection that carries it now
+    for t, _, _, kind, fields in sorted(events, key=lambda e: (e[0], e[1], e[2])):
+        clock[0] = t - t0
+        if kind in LEDGER:
+            _ledger(oracles, history, by_name, kind, dict(fields))
+        elif kind == "thread.crash":
+            history.record(kind, **{k: v for k, v in fields.items() if k != "traceback"})
+            _crash(oracles, history, fields)
+        else:
+            history.record(kind, **fields)
+            if kind == "engine.reconfigured":
+                oracles.reconfiguration_complete(fields["members"])
+            elif kind == "eplb.checked" and fields["count"]:
+                oracles.weights_checked(fields["pid"], fields["problems"] * fields["count"])
+    for detail in stuck:
+        oracles.stuck(detail)
+    if completed and not oracles.problems:
+        oracles.after_shutdown()
+    return history, oracles
+
+
+def _ledger(oracles: Oracles, history: History, by_name: dict[str, str], kind: str, f: dict[str, Any]) -> None:
+    if kind == "agent.create":
+        by_name[f["agent"]] = f["conn"]
+    elif kind == "peer.load":
+        f["peer_conn"] = by_name.get(f["peer"], f"?{f['peer']}")
+    elif kind in ("xfer.done", "xfer.post"):
+        f["target"] = by_name.get(f["peer"], f"?{f['peer']}")
+    entry = fabric_record(kind, f)
+    if entry is not None:
+        history.record(entry[0], **entry[1])
+    oracles.on_fabric(kind, f)
+
+
+def _crash(oracles: Oracles, history: History, f: dict[str, Any]) -> None:
+    message = f"{f['thread']} (pid {f['pid']}): {f['type']}: {f['error']}"
+    if any(mark in f["error"] for mark in COLLECTIVE_FAILURE):
+        oracles.problems.append(Problem("liveness", "collective_timeout", message, len(history), history.now()))
+    else:
+        oracles.problems.append(Problem("crash", "exception", message, len(history), history.now()))

@@ -1,0 +1,312 @@
+"""One real rank: an OS process running a vLLM-style worker with real NIXL agents and gloo groups.
+
+The parent (:mod:`real_backends.cluster`) starts it with a pipe and posts it the same commands the simulated
+workers take (start, serve, rearrange, drain, prepare, commit, abort, exit).  Commands run on the main thread;
+PREPARE and the async EPLB move run on threads of their own, as in vLLM.  Everything the oracles judge is streamed
+to the parent as it happens: the NIXL ledger (:mod:`real_backends.ledger`), the worker's own events, and a crash as
+soon as an exception escapes the code under test.
+
+Faults that exist in reality are done for real here: a dropped communicator held for ``delay_s`` and released on a
+thread of its own (``gc.late``), put in a reference cycle for the next ``gc.collect()`` (``gc.cycle``), released on
+another thread (``gc.thread``) or kept until interpreter exit (``gc.never``); ``expert_buffer`` reallocated before
+PREPARE (``storage.move``); every agent restarted under its name (``peer.restart``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+_IMMORTAL: list[Any] = []  # gc.never: lives until interpreter shutdown, like an object no collection ever reaches
+
+
+@dataclass
+class RankConfig:
+    pid: int
+    parent: int  # the parent's OS pid: this process dies with it
+    scenario: dict[str, Any]
+    strategy: str
+    device: str
+    store: tuple[str, int]
+    group: Any  # GroupSpec of the group this rank starts in
+    placement: Any  # Placement for a rank of the first group; None for a rank added by scale-up
+    timeout_s: float
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the parent dies (also by SIGKILL), so no rank outlives its run."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class Link:
+    """The pipe to the parent; any thread may send (one lock), only the main thread receives."""
+
+    def __init__(self, conn, pid: int) -> None:
+        self.conn, self.pid = conn, pid
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    def send(self, *msg: Any) -> None:
+        try:
+            with self._lock:
+                self.conn.send(msg)
+        except (OSError, ValueError, EOFError):
+            pass  # the parent is gone, or interpreter shutdown closed the pipe: nothing left to tell
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self.send("event", time.monotonic(), self.pid, seq, kind, fields)
+
+
+class RealWorker:
+    def __init__(self, cfg: RankConfig, link: Link) -> None:
+        import torch
+
+        from sim import scenario as scenario_mod
+        from sim.eplb.communicators import plugins
+        from sim.eplb.state import LoadWindow, fill_weights
+
+        from .groups import connect_store
+
+        self.cfg, self.link, self.pid = cfg, link, cfg.pid
+        self.sc = scenario_mod.from_dict(cfg.scenario)
+        m = self.sc.model
+        self.factory = plugins.load(cfg.strategy, fresh=False)
+        device = torch.device(cfg.device)
+        self.weights = [[torch.full((m.local_experts, m.hidden), float("nan"), device=device)
+                         for _ in range(m.tensors_per_layer)] for _ in range(m.layers)]
+        self.buffer = [torch.full((m.local_experts, m.hidden), float("nan"), device=device)
+                       for _ in range(m.tensors_per_layer)]
+        self.retired_buffers: list[Any] = []
+        if cfg.placement is not None:
+            fill_weights(self.weights, cfg.placement, cfg.group.rank)
+        self.store = connect_store(*cfg.store, cfg.timeout_s)
+        self.group_spec, self.group = cfg.group, None
+        self.comm = None
+        self.prepared: tuple[Any, Any] | None = None
+        self.aborted: Any = None
+        self.load = LoadWindow(m.layers, m.experts, max(1, self.sc.eplb.window))
+        self.async_thread: threading.Thread | None = None
+        self.step = 0
+        self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
+        self._views: dict[tuple[int, int], tuple[list, list]] = {}
+
+    def history(self, kind: str, **fields: Any) -> None:
+        self.link.emit(kind, pid=self.pid, **fields)
+
+    def run_thread(self, name: str, fn, *args: Any) -> threading.Thread:
+        """A thread whose escaping exception is a crash, reported at once (as the simulation's kernel does)."""
+        def body() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent, which judges it
+                report_crash(self.link, self.pid, name, exc)
+        th = threading.Thread(target=body, name=name, daemon=True)
+        th.start()
+        return th
+
+    # -- commands -----------------------------------------------------------------------------------------------
+    def do_start(self) -> None:
+        from .groups import open_group
+
+        self.group = open_group(self.store, self.group_spec, self.cfg.timeout_s)
+        self.comm = self.factory(self.group, self.weights, self.buffer, None)
+        self.history("comm.create", gen=self.group_spec.name, prev=False)
+
+    def do_serve(self, steps: int, loads) -> None:
+        self.load.record(loads, steps)
+
+    def do_rearrange(self, old, new, mapping) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        self.join_async()
+        total = torch.from_numpy(self.load.total().astype(np.float64))
+        dist.all_reduce(total, group=self.group)
+        if self.sc.eplb.use_async:
+            self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True)
+        else:
+            self._move(old, new, mapping, False)
+
+    def do_drain(self) -> None:
+        self.join_async()
+
+    def join_async(self) -> None:
+        th, self.async_thread = self.async_thread, None
+        if th is not None:
+            th.join()
+
+    def _move(self, old, new, mapping, paced: bool) -> None:
+        from sim.eplb import move
+        from sim.eplb.state import check_weights
+
+        comm, rank = self.comm, self.group.rank()
+        for layer in range(old.num_layers):
+            if paced:
+                time.sleep(self.sc.serving.step_time_s * 0.01)  # one layer per (scaled) forward step
+            old_idx, _ = move.layer_indices(old, new, layer, mapping)
+            plan = move.plan_all(old, new, layer, mapping)[rank]
+            move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
+        new_rank = move.rank_space(old, new, mapping).to_new[rank]
+        if new_rank >= 0:
+            problems = check_weights(self.weights, new, new_rank)
+            self.history("eplb.checked", problems=problems[:1], count=len(problems))
+        self.history("eplb.rearranged", moved_layers=old.num_layers)
+
+    def _rows(self, tensors, row: int) -> list:
+        key = (id(tensors), row)
+        views = self._views.get(key)
+        if views is None or views[0] is not tensors:
+            views = self._views[key] = (tensors, [t[row] for t in tensors])
+        return list(views[1])
+
+    def do_prepare(self, group, prepare_s: float, storage_move: bool = False, peer_restart: bool = False) -> str:
+        if self.aborted is not None:
+            aborted, self.aborted = self.aborted, None
+            self.drop(aborted, "aborted communicator")
+            del aborted
+        self.run_thread(f"elastic-prepare@{self.pid}", self._prepare, group, storage_move, peer_restart)
+        return "started"
+
+    def _prepare(self, spec, storage_move: bool, peer_restart: bool) -> None:
+        import torch
+
+        from . import ledger
+        from .groups import open_group
+
+        group = open_group(self.store, spec, self.cfg.timeout_s)
+        if storage_move:
+            self.retired_buffers.append(self.buffer)
+            self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
+            self.history("storage.move", what="expert_buffer")
+        if peer_restart:
+            agents = ledger.live_agents()
+            for agent in agents:
+                agent.restart()
+            self.history("peer.restart", agents=[a.name for a in agents])
+        comm = self.factory(group, self.weights, self.buffer, self.comm)
+        self.prepared = (comm, group, spec)
+        del comm
+        self.history("comm.create", gen=spec.name, prev=True)
+        self.link.send("prepared", self.pid)
+
+    def do_commit(self) -> None:
+        self.join_async()
+        gc.collect()  # vLLM's switch_and_prepare collects before the swap
+        self.history("gc.collect", reason="commit")
+        comm, group, spec = self.prepared
+        self.prepared = None
+        old, self.comm = self.comm, comm
+        self.group, self.group_spec = group, spec
+        del comm
+        self.history("comm.swap", gen=spec.name)
+        self.drop(old, "old communicator")
+        del old
+
+    def do_abort(self) -> None:
+        self.join_async()
+        if self.prepared is not None:
+            self.aborted = self.prepared[0]
+            self.prepared = None
+        self.history("comm.abort")
+
+    def do_exit(self) -> None:
+        self.join_async()
+        for name in ("prepared", "aborted"):
+            value = getattr(self, name)
+            setattr(self, name, None)
+            if value is not None:
+                obj = value[0] if isinstance(value, tuple) else value
+                del value
+                self.drop(obj, name)
+                del obj
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            self.drop(comm, "communicator at exit")
+        del comm
+        gc.collect()  # the interpreter's last collections at exit; gc.never objects are still referenced
+        self.history("worker.exit")
+
+    # -- dropping a communicator: refcounting, or a GC fault done for real ---------------------------------------
+    def drop(self, obj: Any, what: str) -> None:
+        """``obj`` just lost its owner's reference; the caller deletes its own name right after."""
+        fault = self.gc_faults.get(what)
+        how = fault["site"] if fault else "refcount"
+        self.history("gc.drop", what=what, how=how)
+        if fault is None:
+            return  # the caller's `del` is the last reference: finalized right there, on the caller's thread
+        holder = [obj]
+        del obj
+        if how == "gc.late":
+            delay = float(fault.get("delay_s", 1.0))
+            self.run_thread(f"gc-late@{self.pid}", self._release_later, holder, delay, what)
+        elif how == "gc.thread":
+            self.run_thread(f"eplb-async@{self.pid}", self._release_later, holder, 0.0, what)
+        elif how == "gc.cycle":
+            holder.append(holder)  # only a collection frees it: the next gc.collect() (commit, exit)
+            del holder
+        elif how == "gc.never":
+            _IMMORTAL.append(holder)
+
+    def _release_later(self, holder: list, delay: float, what: str) -> None:
+        if delay > 0:
+            time.sleep(delay)
+        self.history("gc.finalize", what=what, how="released")
+        holder.clear()  # the last reference: the finalizer runs on this thread, now
+
+
+def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:
+    link.emit("thread.crash", pid=pid, thread=thread, type=type(exc).__name__, error=str(exc).splitlines()[0]
+              if str(exc) else "", traceback="".join(traceback.format_exception(exc))[-4000:])
+    link.send("crash", pid)
+
+
+def rank_main(conn, cfg: RankConfig) -> None:
+    """The rank process: set up, then run the parent's commands until ``exit``."""
+    _die_with_parent(cfg.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the parent, which stops every rank itself
+    link = Link(conn, cfg.pid)
+    gc.disable()  # collections happen where vLLM makes them (commit) and at exit, never at random
+    try:
+        from . import ledger
+
+        ledger.install(link.emit, cfg.pid)
+        worker = RealWorker(cfg, link)
+    except BaseException as exc:  # noqa: BLE001 - a rank that cannot start is reported, not a traceback
+        report_crash(link, cfg.pid, f"setup@{cfg.pid}", exc)
+        return
+    link.send("ready", cfg.pid)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent went away
+        _, cmd_id, kind, args, step, gc_faults = msg
+        worker.step, worker.gc_faults = step, gc_faults
+        try:
+            result = getattr(worker, f"do_{kind}")(**args)
+        except BaseException as exc:  # noqa: BLE001 - the code under test raised: a crash, reported
+            report_crash(link, cfg.pid, f"worker@{cfg.pid}", exc)
+            continue
+        link.send("done", cmd_id, result)
+        if kind == "exit":
+            break
+    del worker
+    sys.stdout.flush()
