@@ -26,6 +26,7 @@ from typing import Any
 from sim import faults as fault_catalogue
 from sim.engine import PREPARE_POLL_STEPS, Engine
 from sim.eplb.state import LoadWindow, Placement
+from sim.errors import ScenarioError
 
 from .groups import RealGroup
 from .rank import RankConfig, rank_main
@@ -35,7 +36,7 @@ LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo", "NIXL_LOG_L
                 "UCX_LOG_LEVEL": "error", "OMP_NUM_THREADS": "1"}
 
 
-class RealFaultRefused(ValueError):
+class RealFaultRefused(ScenarioError):
     """A fault only the fake NIXL can produce was asked of the real backend."""
 
 
@@ -82,6 +83,8 @@ class RankProcess:
         self.alive = True
         self.pending: dict[int, Handle] = {}
         self.prepare: Handle | None = None
+        # What the worker holds, as the commands posted to it imply: which drops a command makes.
+        self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -95,7 +98,7 @@ class RankProcess:
         while True:
             try:
                 msg = self.conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError, ValueError):  # closed: by the rank's exit, or by stop_all
                 break
             self.cluster.inbox.put((self.pid, msg))
         self.cluster.inbox.put((self.pid, ("eof",)))
@@ -108,10 +111,13 @@ class RankProcess:
         if cmd.kind == "prepare":
             h.prepared = threading.Event()
             self.prepare = h
+            self.has_prepared, self.has_aborted = True, False
         elif cmd.kind == "serve":
             self.load.record(args["loads"], args["steps"])
         elif cmd.kind == "abort":
-            self.has_aborted = True
+            self.has_aborted, self.has_prepared = self.has_prepared, False
+        elif cmd.kind == "commit":
+            self.has_prepared = False
         cmd_id = next(_cmd_ids)
         self.pending[cmd_id] = h
         try:
@@ -263,8 +269,9 @@ class RealCluster(Engine):
     def choose_faults(self, w: RankProcess, kind: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
         PREPARE, taken from the plan here so that ``times`` counts across processes as in the simulation."""
-        drops = {"commit": ["old communicator"], "exit": ["prepared", "aborted", "communicator at exit"],
-                 "prepare": ["aborted communicator"] if w.has_aborted else []}.get(kind, [])
+        drops = {"commit": ["old communicator"],
+                 "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"],
+                 "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])
         gc_faults = {}
         for what in drops:
             fault = self.faults.take_gc(w.pid, what)
@@ -272,7 +279,6 @@ class RealCluster(Engine):
                 gc_faults[what] = {"site": fault.site, **fault.params}
         extra: dict[str, Any] = {}
         if kind == "prepare":
-            w.has_aborted = False
             for site, flag in (("storage.move", "storage_move"), ("peer.restart", "peer_restart")):
                 extra[flag] = self.faults.take({site: fault_catalogue.WORKER_SITES[site]}, w.pid,
                                                "expert_buffer" if site == "storage.move" else "agents") is not None
@@ -305,7 +311,7 @@ class RealCluster(Engine):
         messages are collected."""
         for w in self.workers.values():
             if w.proc.is_alive():
-                w.conn.close()  # a rank waiting for a command reads EOF and exits the normal way
+                _half_close(w.conn)  # a rank waiting for a command reads EOF and exits the normal way
         deadline = time.monotonic() + grace_s
         for w in self.workers.values():
             w.proc.join(max(0.0, deadline - time.monotonic()))
@@ -327,6 +333,23 @@ class _Recorder:
 
     def record(self, kind: str, **fields: Any) -> None:
         self.cluster.record(kind, **fields)
+
+
+def _half_close(conn) -> None:
+    """Shut down the parent's sending side of a rank's pipe: the rank reads EOF, while the reader thread still
+    gets everything the rank sends until it exits (closing the descriptor would not wake a blocked reader)."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, ValueError):
+        return
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _interrupt(signum, frame) -> None:

@@ -42,7 +42,9 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
             _crash(oracles, history, fields)
         else:
             history.record(kind, **fields)
-            if kind == "engine.reconfigured":
+            if kind in ("process.exit", "process.kill"):
+                _process_gone(oracles, history, fields["pid"])
+            elif kind == "engine.reconfigured":
                 oracles.reconfiguration_complete(fields["members"])
             elif kind == "eplb.checked" and fields["count"]:
                 oracles.weights_checked(fields["pid"], fields["problems"] * fields["count"])
@@ -64,6 +66,15 @@ def _ledger(oracles: Oracles, history: History, by_name: dict[str, str], kind: s
     if entry is not None:
         history.record(entry[0], **entry[1])
     oracles.on_fabric(kind, f)
+
+
+def _process_gone(oracles: Oracles, history: History, pid: int) -> None:
+    """A process that ended took its agents with it, also those a late finalizer or interpreter exit never
+    destroyed (as the fake's ``kill_process`` does)."""
+    for conn in sorted(c for c in oracles.live if oracles.agent_pid.get(c) == pid):
+        f = {"conn": conn, "agent": oracles.agent_name.get(conn, conn), "pid": pid}
+        history.record("nixl.agent.destroy", agent=f["agent"], pid=pid, why="process ended")
+        oracles.on_fabric("agent.destroy", f)
 
 
 def _crash(oracles: Oracles, history: History, f: dict[str, Any]) -> None:

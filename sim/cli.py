@@ -74,12 +74,19 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     check_determinism: bool = typer.Option(False, "--check-determinism",
                                            help="run again in a fresh process (other PYTHONHASHSEED); compare"),
+    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE scenario override, repeatable (ranks=3, "
+                                                          "timeline.0.to=2)"),
+    backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real "
+                                            "NIXL)"),
+    device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
+    timeout: float = typer.Option(120.0, help="real backend: seconds a rank may take to answer one command"),
 ) -> None:
-    """Simulate SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
+    """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
     from . import runner
 
     result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
-                                       out=out, check_determinism=check_determinism)
+                                       out=out, check_determinism=check_determinism, overrides=overrides,
+                                       backend=backend, device=device, timeout_s=timeout)
     payload = result.to_dict()
     if again is not None:
         payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}
@@ -319,8 +326,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         status = app(args=argv, standalone_mode=False, prog_name="epsim")
     except typer.Exit as done:
         sys.exit(done.exit_code)
-    except typer.Abort:
-        print("epsim: aborted", file=sys.stderr)
+    except (typer.Abort, KeyboardInterrupt):
+        print("epsim: interrupted", file=sys.stderr)
         sys.exit(130)
     except _click_errors.ClickException as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":

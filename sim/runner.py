@@ -8,28 +8,62 @@ import subprocess
 import sys
 
 from . import scenario as scenario_mod
+from .errors import ScenarioError
 from .run import Result, run_scenario
 
 
-def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism) -> tuple[Result, str | None]:
+def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism, overrides=(),
+                backend: str = "sim", device: str = "cpu", timeout_s: float = 120.0) -> tuple[Result, str | None]:
     from .progress import RunProgress
 
     sc = scenario_mod.load(name)
+    if overrides:
+        sc = scenario_mod.with_overrides(sc, **parse_overrides(overrides))
+    if backend == "real":
+        if profile is not None:
+            raise ScenarioError("--profile picks a fake NIXL's behaviour; the real backend is the library itself")
+        if check_determinism:
+            raise ScenarioError("--check-determinism compares simulated runs; a real run's timing is the host's")
+        from real_backends.run import run_real
+
+        with RunProgress(sc.name, sc.steps) as progress:
+            return run_real(sc, seed=seed, strategy=strategy, faults=list(faults), device=device,
+                            timeout_s=timeout_s, out=out, on_progress=progress), None
+    if backend != "sim":
+        raise ScenarioError(f"--backend {backend!r}: use sim or real")
+    if device != "cpu":
+        raise ScenarioError("--device is for --backend real; a simulation places nothing on a device")
     with RunProgress(sc.name, sc.steps) as progress:
         result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out,
                               on_progress=progress)
     again = None
     if check_determinism:
-        again = rerun_hash(name, result, faults)
+        again = rerun_hash(name, result, faults, overrides)
     return result, again
 
 
-def rerun_hash(name: str, result: Result, faults) -> str:
+def parse_overrides(items) -> dict:
+    """``--set KEY=VALUE`` items (``ranks=3``, ``timeline.0.to=2``, ``eplb.step_interval=400``) as a mapping for
+    :func:`sim.scenario.with_overrides`; values are YAML scalars."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ScenarioError(f"--set {item!r}: write KEY=VALUE, for example ranks=3 or timeline.0.to=2")
+        out[key.strip()] = yaml.safe_load(raw)
+    return out
+
+
+def rerun_hash(name: str, result: Result, faults, overrides=()) -> str:
     """The trace hash of the same run in a fresh interpreter with a different PYTHONHASHSEED."""
     cmd = [sys.executable, "-m", "sim.cli", "run", name, "--seed", str(result.seed), "--strategy", result.strategy,
            "--profile", result.profile, "--json"]
     for f in faults:
         cmd += ["--fault", f]
+    for item in overrides:
+        cmd += ["--set", item]
     env = dict(os.environ, PYTHONHASHSEED=str((int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 12345) % 4294967295))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -41,7 +75,9 @@ def rerun_hash(name: str, result: Result, faults) -> str:
 def summary(r: Result, again: str | None = None) -> str:
     lines = [f"{r.scenario} · {r.strategy} · {r.profile} · seed {r.seed}",
              f"verdict: {r.verdict}" + (f" ({r.invariant}) {r.detail}" if r.verdict != "pass" else ""),
-             f"trace {r.trace_hash}: {r.events} events, {r.sim_time_s:.1f} s simulated in {r.wall_s:.2f} s"]
+             f"trace {r.trace_hash}: {r.events} events, {r.sim_time_s:.1f} s simulated in {r.wall_s:.2f} s"
+             if not r.profile.startswith("real-") else
+             f"{r.events} events in {r.wall_s:.2f} s on real rank processes (wall clock: no trace hash to compare)"]
     if r.faults_armed:
         fired = ", ".join(f"{k} fired {v}x" for k, v in r.faults_fired.items())
         lines.append(f"faults: {fired}")

@@ -446,17 +446,37 @@ def _plain(value: Any) -> Any:
 
 
 def _merge(node: dict[str, Any], key_path: list[str], value: Any, shown: str) -> None:
-    """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping, anything else replaces."""
+    """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping, anything else replaces.  A key
+    that is a number indexes a list (``timeline.0.to``)."""
     for i, key in enumerate(key_path[:-1]):
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ScenarioError(f"override {shown}: {'.'.join(key_path[:i + 1])} is not a mapping")
+        node = _child(node, key, key_path[:i + 1], shown)
     last, value = key_path[-1], _plain(value)
+    if isinstance(node, list):
+        index = _index(node, last, key_path, shown)
+        node[index] = value
+        return
     if isinstance(value, dict) and isinstance(node.get(last), dict):
         for k, v in value.items():
             _merge(node[last], [k], v, shown)
     else:
         node[last] = value
+
+
+def _index(node: list, key: str, path: list[str], shown: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise ScenarioError(f"override {shown}: {'.'.join(path)}: {'.'.join(path[:-1])} has {len(node)} entries, "
+                            f"index them 0..{len(node) - 1}")
+    return int(key)
+
+
+def _child(node: Any, key: str, path: list[str], shown: str) -> Any:
+    if isinstance(node, list):
+        child = node[_index(node, key, path, shown)]
+    else:
+        child = node.setdefault(key, {})
+    if not isinstance(child, (dict, list)):
+        raise ScenarioError(f"override {shown}: {'.'.join(path)} is not a mapping")
+    return child
 
 
 def with_overrides(scenario: Scenario, **changes: Any) -> Scenario:
