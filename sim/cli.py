@@ -337,6 +337,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except EpsimError as exc:
         print(f"epsim: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if status == 130:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns here, silently
+        print("epsim: interrupted", file=sys.stderr)
     sys.exit(status if isinstance(status, int) else 0)
 
 

@@ -1,0 +1,102 @@
+"""No run leaves a process behind: not when a rank is killed, not when the parent is interrupted or killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import epsim, real_nixl_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _real_nixl():
+    real_nixl_or_skip()
+
+
+def living(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has: it only waits to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def wait_gone(pids: set[int], within_s: float = 15.0) -> set[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = {p for p in pids if living(p)}
+        if not left:
+            return left
+        time.sleep(0.1)
+    return {p for p in pids if living(p)}
+
+
+def test_a_killed_rank_and_its_peers_are_all_gone_after_the_run(tmp_path):
+    done = epsim("run", "rank-failure", "--backend", "real", "--timeout", "20", "--out", str(tmp_path), "--json")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["verdict"] == "liveness"
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    ranks = {e["os_pid"] for e in history if e["kind"] == "process.start"}
+    assert len(ranks) == 4
+    assert any(e["kind"] == "process.kill" and e["pid"] == 3 for e in history)
+    assert wait_gone(ranks, 5.0) == set()
+
+
+def _start_long_run() -> tuple[subprocess.Popen, set[int]]:
+    """A real elastic-cycle run made long enough to interrupt, once all four rank processes are up."""
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", "elastic-cycle", "--backend", "real",
+                             "--set", "steps=400000", "--set", "eplb.step_interval=100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    seen: set[int] = set()
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen |= descendants(proc.pid)
+        if len([p for p in seen if living(p)]) >= 4:  # scale-up to EP4 happened: 4 ranks alive
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    return proc, seen
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_parent_stops_every_rank(how):
+    proc, ranks = _start_long_run()
+    proc.send_signal(getattr(signal, how))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "epsim: interrupted"
+    assert "Traceback" not in err
+    assert wait_gone(ranks) == set()
+
+
+def test_a_killed_parent_takes_every_rank_with_it():
+    proc, ranks = _start_long_run()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert wait_gone(ranks) == set(), "rank processes outlived a SIGKILLed parent"

@@ -1,0 +1,83 @@
+"""The real backend: rank processes with real NIXL on host memory, judged by the simulation's oracles.
+
+What the issue asks of CI: scale-up 2->3 and scale-down 3->2 for shared-agent, and the same duplicate registrations
+for per-communicator-agent in the real ledger as in the simulation.  Every real run here is compared with the
+simulated run of the same scenario, seed and faults: verdict, invariant and the ledger's counts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import epsim, real_nixl_or_skip
+
+UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
+DOWN_3_TO_2 = ("scale-down", "--set", "ranks=3", "--set", "timeline.0.to=2")
+LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_live_agents_per_process", "transfers",
+          "bytes_moved")
+
+
+@pytest.fixture(autouse=True)
+def _real_nixl():
+    real_nixl_or_skip()
+
+
+def run(*args: str, backend: str = "sim") -> dict:
+    done = epsim("run", *args, "--backend", backend, "--json", timeout=300)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def both(*args: str) -> tuple[dict, dict]:
+    return run(*args), run(*args, backend="real")
+
+
+def test_scale_up_2_to_3_passes_for_shared_agent_on_real_nixl():
+    sim, real = both(*UP_2_TO_3, "--strategy", "shared-agent")
+    assert real["verdict"] == "pass", real["detail"]
+    assert real["profile"] == "real-cpu"
+    assert real["metrics"]["agents_created"] == 3  # one agent per process, kept across the reconfiguration
+    assert real["metrics"]["transfers"] > 0
+    assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+    assert sim["verdict"] == "pass"
+
+
+def test_scale_down_3_to_2_for_shared_agent_agrees_with_the_simulation():
+    # The shared agent never removes a departed peer: the simulation predicts stale_peer and the real ledger shows
+    # the survivor's agent still holding rank 2's agent after the reconfiguration (docs/validation.md).
+    sim, real = both(*DOWN_3_TO_2, "--strategy", "shared-agent")
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("safety", "stale_peer")
+    assert "departed pid 2" in real["detail"]
+    assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+
+
+def test_real_ledger_shows_the_duplicate_registrations_the_simulation_predicts():
+    sim, real = both(*UP_2_TO_3, "--strategy", "per-communicator-agent")
+    assert sim["metrics"]["duplicate_registrations"] == 2  # each old rank's PREPARE registers its pages again
+    assert real["metrics"]["duplicate_registrations"] == sim["metrics"]["duplicate_registrations"]
+    assert real["metrics"]["max_live_agents_per_process"] == 2
+    assert real["verdict"] == sim["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("fault", ["gc.never", "peer.restart"])
+def test_real_faults_are_done_for_real_and_agree(fault):
+    sim, real = both(*DOWN_3_TO_2, "--strategy", "per-communicator-agent", "--fault", fault)
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"])
+    assert real["faults_fired"] == sim["faults_fired"]
+    if fault == "peer.restart":  # the restarted agent's peers refuse it, in both worlds with the same error
+        assert real["signature"] == sim["signature"] == "exception:nixlNotFoundError|per-communicator-agent|peer.restart"
+
+
+def test_fake_only_faults_and_profiles_are_refused_in_one_line():
+    for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",)):
+        done = epsim("run", "steady", "--backend", "real", *extra)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("epsim: error:"), done.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        done = epsim("run", "steady", "--backend", "real", "--device", "cuda")
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
