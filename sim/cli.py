@@ -99,6 +99,71 @@ def run(
 
 
 @app.command()
+def validate(
+    device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM, one process per GPU)"),
+    quick: bool = typer.Option(False, "--quick", help="a smaller scenario set (the one CI runs)"),
+    catalogue: bool = typer.Option(True, "--catalogue/--no-catalogue", help="run the NIXL behaviour catalogue"),
+    timeout: float = typer.Option(120.0, help="seconds a rank may take to answer one command"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
+    from real_backends.nixl_real import NixlUnavailable, import_real_nixl
+    from real_backends.validate import run_validation
+
+    from .errors import BackendUnavailable
+
+    if device not in ("cpu", "cuda"):
+        raise EpsimError(f"--device {device!r}: use cpu or cuda")
+    try:
+        import_real_nixl()
+    except NixlUnavailable as exc:
+        raise BackendUnavailable(str(exc)) from None
+
+    def progress(name: str, row) -> None:
+        if row is None:
+            typer.echo(f"... {name}", err=True)
+
+    report = run_validation(device, quick, timeout, catalogue, on_case=progress)
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        _validation_table(report)
+    if not report["agree"]:
+        raise typer.Exit(1)
+
+
+def _validation_table(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(140, Console().width))
+    conf = report.get("conformance")
+    if conf is not None:
+        fails = [c["name"] for c in conf["cases"] if c["outcome"] == "fail"]
+        console.print(f"NIXL catalogue on real {conf['memory'].upper()}: {len(conf['cases']) - len(fails)} of "
+                      f"{len(conf['cases'])} cases as profile {conf['profile']} predicts; matched profile "
+                      f"{conf['matched_profile'] or 'none'}" + (f"; differ: {', '.join(fails)}" if fails else ""))
+    table = Table(title=f"simulation ({report['profile']}) vs real ({report['device']})")
+    for col in ("case", "simulated", "real", "agree"):
+        table.add_column(col, overflow="fold")
+    for c in report["cases"]:
+        sim, real = c["sim"], c["real"]
+        table.add_row(c["case"], _outcome(sim), _outcome(real),
+                      "yes" if c["agree"] else "NO: " + "; ".join(c["differences"]))
+    console.print(table)
+    agree = sum(c["agree"] for c in report["cases"])
+    console.print(f"{agree} of {len(report['cases'])} scenario cases agree ({report['wall_s']} s); "
+                  "disagreements are explained in docs/validation.md")
+
+
+def _outcome(r) -> str:
+    if r["verdict"] == "pass":
+        return "pass"
+    what = r["signature"].split("|")[0] if r["verdict"] == "crash" else r["invariant"]
+    return f"{r['verdict']}: {what}"
+
+
+@app.command()
 def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List the built-in scenarios."""
     from . import scenario as sc
