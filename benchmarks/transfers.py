@@ -30,7 +30,9 @@ def _rates(fns, nbytes: int, repeats: int) -> list[float]:
     return [nbytes / statistics.median(t) for t in times]
 
 
-def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu") -> dict[str, Any]:
+def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu", prep_each: bool = False) -> dict[str, Any]:
+    """``prep_each``: every READ prepares its descriptor lists afresh and releases them, as the EPLB communicator's
+    ``add_recv`` does (the calibration measures that path); otherwise the lists are prepared once."""
     import torch
 
     from real_backends.nixl_real import import_real_nixl
@@ -40,7 +42,7 @@ def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu") ->
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure(api, package, sizes_mib, repeats, device)
+        return _measure(api, package, sizes_mib, repeats, device, prep_each)
     finally:
         torch.set_num_threads(threads)
 
@@ -78,7 +80,7 @@ def _owner(conn, package: str, sizes_mib, device: str) -> None:
     conn.close()
 
 
-def _measure(api, package: str, sizes_mib, repeats: int, device: str) -> dict[str, Any]:
+def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each: bool = False) -> dict[str, Any]:
     import multiprocessing as mp
 
     import torch
@@ -97,7 +99,7 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str) -> dict[st
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
     try:
         for mib in sizes_mib:
-            nbytes = mib * MIB
+            nbytes = int(mib * MIB)
             metadata, addr, dev_id = conn.recv()
             src = _pattern(nbytes, dev_b)  # the same bytes, for the torch baseline
             dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev_a)
@@ -112,13 +114,20 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str) -> dict[st
             remote = reader.prep_xfer_dlist(name, reader.get_xfer_descs([(addr, nbytes, dev_id)], mem), mem)
 
             def nixl_read() -> None:
-                xfer = reader.make_prepped_xfer("READ", local, [0], remote, [0])
+                lh, rh = local, remote
+                if prep_each:
+                    lh = reader.prep_xfer_dlist("NIXL_INIT_AGENT", reader.get_xfer_descs([dst], mem), mem)
+                    rh = reader.prep_xfer_dlist(name, reader.get_xfer_descs([(addr, nbytes, dev_id)], mem), mem)
+                xfer = reader.make_prepped_xfer("READ", lh, [0], rh, [0])
                 state = reader.transfer(xfer)
                 while state != "DONE":
                     state = reader.check_xfer_state(xfer)
                     if state not in ("PROC", "DONE"):
                         raise RuntimeError(f"READ failed: {state}")
                 reader.release_xfer_handle(xfer)
+                if prep_each:
+                    reader.release_dlist_handle(lh)
+                    reader.release_dlist_handle(rh)
 
             def torch_copy() -> None:
                 dst.copy_(src)
@@ -128,7 +137,8 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str) -> dict[st
             nixl_read()
             assert torch.equal(dst, src.to(dst.device)), "the READ did not move the bytes"
             nixl_rate, copy_rate = _rates([nixl_read, torch_copy], nbytes, repeats)
-            out["sizes"][f"{mib}MiB"] = {"nixl_GBps": round(nixl_rate / 1e9, 2),
+            out["sizes"][f"{mib}MiB"] = {"bytes": nbytes, "nixl_s": nbytes / nixl_rate,
+                                         "nixl_GBps": round(nixl_rate / 1e9, 2),
                                          "torch_GBps": round(copy_rate / 1e9, 2),
                                          "ratio": round(nixl_rate / copy_rate, 3)}
             reader.release_dlist_handle(local)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +32,7 @@ from sim.eplb.state import LoadWindow, Placement
 from sim.errors import ScenarioError
 
 from .groups import RealGroup
-from .rank import RankConfig, rank_main
+from .rank import RankConfig
 
 _cmd_ids = itertools.count(1)
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
@@ -75,6 +78,53 @@ class _Clock:
         return time.monotonic()
 
 
+class _Child:
+    """A rank's OS process, with the few calls the cluster makes (``multiprocessing.Process``'s names)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
+def _start_rank(cfg: RankConfig) -> tuple[Connection, _Child]:
+    """``python -m real_backends.rank FD`` with one end of a socket pair; the config goes over it first.  A fresh
+    interpreter rather than multiprocessing's spawn: spawn re-imports the caller's main module, which a script on
+    stdin or in a notebook does not have."""
+    mine, theirs = socket.socketpair()
+    try:
+        popen = subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
+                                 pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=_child_env())
+    finally:
+        theirs.close()
+    conn = Connection(mine.detach())
+    conn.send(cfg)
+    return conn, _Child(popen)
+
+
+def _child_env() -> dict[str, str]:
+    """The parent's environment; its import path first, so the rank imports the same epsim."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
 class RankProcess:
     def __init__(self, cluster: "RealCluster", pid: int, cfg: RankConfig) -> None:
         self.cluster, self.pid = cluster, pid
@@ -86,11 +136,7 @@ class RankProcess:
         # What the worker holds, as the commands posted to it imply: which drops a command makes.
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main, args=(child, cfg), name=f"epsim-rank-{pid}", daemon=True)
-        self.proc.start()
-        child.close()
+        self.conn, self.proc = _start_rank(cfg)
         self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
         self.reader.start()
 

@@ -106,6 +106,7 @@ class RealWorker:
         self.step = 0
         self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
         self._views: dict[tuple[int, int], tuple[list, list]] = {}
+        self._rearrange_started = 0.0
 
     def history(self, kind: str, **fields: Any) -> None:
         self.link.emit(kind, pid=self.pid, **fields)
@@ -138,6 +139,7 @@ class RealWorker:
         import torch.distributed as dist
 
         self.join_async()
+        self._rearrange_started = time.perf_counter()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
         if self.sc.eplb.use_async:
@@ -164,6 +166,8 @@ class RealWorker:
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
             move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
+        # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.
+        self.history("eplb.moved", seconds=time.perf_counter() - self._rearrange_started)
         new_rank = move.rank_space(old, new, mapping).to_new[rank]
         if new_rank >= 0:
             problems = check_weights(self.weights, new, new_rank)
@@ -310,3 +314,10 @@ def rank_main(conn, cfg: RankConfig) -> None:
             break
     del worker
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    from multiprocessing.connection import Connection
+
+    _conn = Connection(int(sys.argv[1]))
+    rank_main(_conn, _conn.recv())

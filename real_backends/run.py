@@ -44,6 +44,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                     len(history), history.now(), round(wall, 3), [str(a) for a in armed], cluster.faults.fired(),
                     dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated))
+    result.spans = _spans(cluster.spans, history)
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -51,3 +52,22 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
         history.write_perfetto(out / "trace.perfetto.json")
         (out / "result.json").write_text(json.dumps(result.to_dict()) + "\n")
     return result
+
+
+def _spans(spans, history) -> list[list]:
+    """The run's spans; a rebalance lasts as long as its slowest rank's EPLB step took on that rank (load
+    all-reduce and the layers' moves, what the simulation's time model covers), not the parent's round trips and
+    the harness's weight checks around it."""
+    slowest: list[float] = []
+    for _, kind, fields in history.records:
+        if kind == "engine.rebalance":
+            slowest.append(0.0)
+        elif kind == "eplb.moved" and slowest:
+            slowest[-1] = max(slowest[-1], fields["seconds"])
+    out, i = [], 0
+    for what, a, b in spans:
+        if what == "rebalance" and i < len(slowest):
+            b = a + slowest[i]
+            i += 1
+        out.append([what, round(a, 6), round(b, 6)])
+    return out

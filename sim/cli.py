@@ -80,13 +80,15 @@ def run(
                                             "NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
     timeout: float = typer.Option(120.0, help="real backend: seconds a rank may take to answer one command"),
+    calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
+                                                         "`epsim calibrate --out FILE`"),
 ) -> None:
     """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
     from . import runner
 
     result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                        out=out, check_determinism=check_determinism, overrides=overrides,
-                                       backend=backend, device=device, timeout_s=timeout)
+                                       backend=backend, device=device, timeout_s=timeout, calibration=calibration)
     payload = result.to_dict()
     if again is not None:
         payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}
@@ -161,6 +163,55 @@ def _outcome(r) -> str:
         return "pass"
     what = r["signature"].split("|")[0] if r["verdict"] == "crash" else r["invariant"]
     return f"{r['verdict']}: {what}"
+
+
+@app.command()
+def calibrate(
+    device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM; two GPUs when there are two)"),
+    out: Optional[str] = typer.Option(None, help="write the calibration JSON here (for `epsim run --calibration`)"),
+    compare: bool = typer.Option(True, "--compare/--no-compare",
+                                 help="also time a scale-up in both worlds and report the simulation's error"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Measure the real backend's READ and collective timing; report how far the simulation's times are off."""
+    from pathlib import Path
+
+    from real_backends import calibrate as cal
+    from real_backends.nixl_real import NixlUnavailable, import_real_nixl
+
+    from .errors import BackendUnavailable
+
+    if device not in ("cpu", "cuda"):
+        raise EpsimError(f"--device {device!r}: use cpu or cuda")
+    try:
+        import_real_nixl()
+    except NixlUnavailable as exc:
+        raise BackendUnavailable(str(exc)) from None
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("--device cuda needs a CUDA GPU; none is visible here")
+    calibration = cal.measure(device)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(calibration.model_dump_json(indent=2) + "\n")
+    report = {"calibration": calibration.model_dump()}
+    if compare:
+        report["comparison"] = cal.compare(calibration, device)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    c = calibration
+    typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s; "
+               f"gloo all_reduce {c.collective_latency_s * 1e6:.0f} us; rank process start {c.process_start_s:.2f} s")
+    if out is not None:
+        typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
+    if compare:
+        cmp = report["comparison"]
+        typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1)")
+        for r in cmp["spans"]:
+            typer.echo(f"  {r['what']:12} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {r['error']:+.1%}")
 
 
 @app.command()

@@ -46,7 +46,7 @@ _XFER_KINDS = {"xfer.post": "nixl.xfer.post", "xfer.done": "nixl.xfer.done"}
 
 class Cluster(Engine):
     def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
-                 faults: list[fault_catalogue.Armed] = (), on_progress=None) -> None:
+                 faults: list[fault_catalogue.Armed] = (), on_progress=None, calibration=None) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
         self.on_progress = on_progress  # called with (step, simulated seconds) between lifecycle events
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
@@ -55,7 +55,10 @@ class Cluster(Engine):
         self.init_engine()
         m = scenario.model
         row_bytes = m.hidden * 4
-        time_model = NominalTimeModel(row_bytes, m.nominal_expert_bytes / m.tensors_per_layer)
+        self.calibration = calibration  # a sim.calibration.Calibration: measured READ and collective times
+        timing = {} if calibration is None else {"bandwidth_Bps": calibration.bandwidth_Bps,
+                                                 "latency_s": calibration.xfer_latency_s}
+        time_model = NominalTimeModel(row_bytes, m.nominal_expert_bytes / m.tensors_per_layer, **timing)
         self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami, time_model=time_model)
         self.fabric.poll_wait = self._poll_wait
         self.fabric.thread_of = self.kernel.current
@@ -104,8 +107,9 @@ class Cluster(Engine):
 
     # -- groups and workers ---------------------------------------------------------------------------------------
     def new_group(self, members: list[int]) -> torch_dist.Rendezvous:
+        latency = self.calibration.collective_latency_s if self.calibration is not None else 0.0
         rdv = torch_dist.Rendezvous(self.kernel, f"eplb#{self.generation}", members,
-                                    self.scenario.collective_timeout_s)
+                                    self.scenario.collective_timeout_s, latency)
         self.generation += 1
         return rdv
 

@@ -45,6 +45,9 @@ class Engine:
         self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
         self._route_epoch = -1
         self._route_probs: np.ndarray | None = None
+        # (what, start, end) of every rebalance and reconfiguration in the world's time; not in the history, so a
+        # calibration can compare worlds without changing any trace.
+        self.spans: list[tuple[str, float, float]] = []
 
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
@@ -151,13 +154,23 @@ class Engine:
         if size == old.ep_size and new == old:
             new = old
         self.record("engine.rebalance", step=self.step, ep_size=size)
+        start = self.now()
         ok = self._all("rearrange", old=old, new=new, mapping=mapping)
         if ok and self.scenario.eplb.use_async:
             ok = self._all("drain")
         self.placement = new
+        if ok:
+            self.spans.append(("rebalance", start, self.now()))
         return ok
 
     def elastic(self, event) -> bool:
+        start = self.now()
+        ok = self._elastic(event)
+        if ok and event.kind != "fail_rank":
+            self.spans.append((event.kind, start, self.now()))
+        return ok
+
+    def _elastic(self, event) -> bool:
         self.record(f"engine.{event.kind}", step=self.step, to=event.to, rank=event.rank)
         if event.kind == "fail_rank":
             self.fail_rank(self.members[event.rank])

@@ -33,6 +33,8 @@ class Result:
     metrics: dict[str, Any] = field(default_factory=dict)
     implicated: list[str] = field(default_factory=list)  # armed faults that fired before the failure, first first
     signature: str | None = None  # how failures are grouped: invariant, strategy, first implicated fault site
+    # [what, start s, end s] of every rebalance and reconfiguration (scale_up, scale_down, abort), in run time
+    spans: list[list[Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,7 +42,7 @@ class Result:
 
 def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
                  faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
-                 on_progress=None) -> Result:
+                 on_progress=None, calibration=None) -> Result:
     """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace."""
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
@@ -54,7 +56,8 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
              for f in scenario.faults]
     armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
     started = time.perf_counter()
-    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress)
+    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
+                      calibration=calibration)
     # The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
     # happened, so its log stays quiet.
     nixl_log = logging.getLogger("epsim.fakes.nixl")
@@ -64,6 +67,7 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
         cluster.run()
         wall = time.perf_counter() - started
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
+        result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
         if out is not None:
             out = Path(out)
             out.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,16 @@ from .run import Result, run_scenario
 
 
 def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism, overrides=(),
-                backend: str = "sim", device: str = "cpu", timeout_s: float = 120.0) -> tuple[Result, str | None]:
+                backend: str = "sim", device: str = "cpu", timeout_s: float = 120.0,
+                calibration: str | None = None) -> tuple[Result, str | None]:
     from .progress import RunProgress
 
     sc = scenario_mod.load(name)
     if overrides:
         sc = scenario_mod.with_overrides(sc, **parse_overrides(overrides))
     if backend == "real":
+        if calibration is not None:
+            raise ScenarioError("--calibration sets the simulation's time model; a real run takes the host's time")
         if profile is not None:
             raise ScenarioError("--profile picks a fake NIXL's behaviour; the real backend is the library itself")
         if check_determinism:
@@ -33,12 +36,17 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         raise ScenarioError(f"--backend {backend!r}: use sim or real")
     if device != "cpu":
         raise ScenarioError("--device is for --backend real; a simulation places nothing on a device")
+    timing = None
+    if calibration is not None:
+        from .calibration import load as load_calibration
+
+        timing = load_calibration(calibration)
     with RunProgress(sc.name, sc.steps) as progress:
         result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out,
-                              on_progress=progress)
+                              on_progress=progress, calibration=timing)
     again = None
     if check_determinism:
-        again = rerun_hash(name, result, faults, overrides)
+        again = rerun_hash(name, result, faults, overrides, calibration)
     return result, again
 
 
@@ -56,7 +64,7 @@ def parse_overrides(items) -> dict:
     return out
 
 
-def rerun_hash(name: str, result: Result, faults, overrides=()) -> str:
+def rerun_hash(name: str, result: Result, faults, overrides=(), calibration: str | None = None) -> str:
     """The trace hash of the same run in a fresh interpreter with a different PYTHONHASHSEED."""
     cmd = [sys.executable, "-m", "sim.cli", "run", name, "--seed", str(result.seed), "--strategy", result.strategy,
            "--profile", result.profile, "--json"]
@@ -64,6 +72,8 @@ def rerun_hash(name: str, result: Result, faults, overrides=()) -> str:
         cmd += ["--fault", f]
     for item in overrides:
         cmd += ["--set", item]
+    if calibration is not None:
+        cmd += ["--calibration", calibration]
     env = dict(os.environ, PYTHONHASHSEED=str((int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 12345) % 4294967295))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -1,0 +1,154 @@
+"""``epsim calibrate``: measure the real backend's timing, hand it to the simulation, and say how far apart they are.
+
+Measured, between two processes on this host as ranks are:
+
+- READ time against size (64 KiB to expert-sized 64 MiB; host memory, or VRAM with ``--device cuda``) through
+  the EPLB communicator's calls (descriptor lists prepared, the READ posted and polled to DONE, everything
+  released): fitted as ``latency + bytes / bandwidth`` (the simulation's transfer time model), by relative error;
+- a gloo ``all_reduce`` of one float on loopback between two processes that each hold a NIXL agent (its progress
+  thread competes for the cores, as in a rank): the barrier every layer's ``execute()`` ends with;
+- a rank process's start-up until it can take commands (imports, an agent): informational.
+
+Then the comparison: one scenario (scale-up 2->3 with 1 MiB expert rows, so every READ moves real expert-sized
+bytes) runs on the real backend and in the simulation with the calibration; each rebalance and the
+reconfiguration are timed in both worlds and the relative error of the simulated time is reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+from sim.calibration import Calibration, fit
+
+COLLECTIVE_REPEATS = 200
+ROW_FLOATS = 1 << 18  # 1 MiB expert rows in the comparison scenario (2 tensors: 2 MiB per expert)
+
+
+def _collective_peer(port: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from .groups import GroupSpec, connect_store, open_group
+
+    from .nixl_real import import_real_nixl
+
+    agent = import_real_nixl()[0].nixl_agent("calibrate-peer")  # noqa: F841 - alive, as in a rank: its threads run
+    group = open_group(connect_store("127.0.0.1", port, 60), GroupSpec("calibrate", 1, 2), 60)
+    for _ in range(repeats + 10):
+        dist.all_reduce(torch.zeros(1), group=group)
+
+
+def measure_collective(repeats: int = COLLECTIVE_REPEATS) -> float:
+    """Median seconds of a one-float gloo all_reduce between two processes on loopback."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from .cluster import LOOPBACK_ENV
+    from .groups import GroupSpec, open_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_ENV["GLOO_SOCKET_IFNAME"])
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    peer = mp.get_context("spawn").Process(target=_collective_peer, args=(store.port, repeats), daemon=True)
+    peer.start()
+    try:
+        from .nixl_real import import_real_nixl
+
+        agent = import_real_nixl()[0].nixl_agent("calibrate-self")  # noqa: F841 - alive, as in a rank
+        group = open_group(store, GroupSpec("calibrate", 0, 2), 60)
+        t = torch.zeros(1)
+        for _ in range(10):
+            dist.all_reduce(t, group=group)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
+def _starter(conn) -> None:
+    import torch  # noqa: F401 - what a rank imports before it can serve
+
+    from .nixl_real import import_real_nixl
+
+    api, _, _ = import_real_nixl()
+    api.nixl_agent("calibrate-start")
+    conn.send("ready")
+
+
+def measure_process_start(repeats: int = 3) -> float:
+    """Median seconds from starting a process to an agent in it (imports included)."""
+    ctx = mp.get_context("spawn")
+    times = []
+    for _ in range(repeats):
+        conn, child = ctx.Pipe()
+        started = time.perf_counter()
+        proc = ctx.Process(target=_starter, args=(child,), daemon=True)
+        proc.start()
+        if conn.poll(120):
+            conn.recv()
+            times.append(time.perf_counter() - started)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return statistics.median(times) if times else float("nan")
+
+
+def measure(device: str = "cpu", sizes_mib=(1 / 16, 1 / 4, 1, 4, 16, 64), repeats: int = 9) -> Calibration:
+    from benchmarks import transfers
+
+    reads = transfers.measure(sizes_mib=sizes_mib, repeats=repeats, device=device, prep_each=True)
+    points = [(v["bytes"], v["nixl_s"]) for v in reads["sizes"].values()]
+    latency, bandwidth = fit(points)
+    return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, collective_latency_s=measure_collective(),
+                       process_start_s=measure_process_start(), device=device, memory=reads["memory"],
+                       nixl=reads["package"], host=platform.node(),
+                       measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       points=[{"bytes": b, "seconds": t} for b, t in points])
+
+
+def comparison_scenario():
+    """scale-up 2->3 with 1 MiB expert rows: the nominal size is the real one, so both worlds move the same bytes."""
+    from sim import scenario as scenario_mod
+
+    sc = scenario_mod.load("scale-up")
+    return scenario_mod.with_overrides(sc, **{
+        "timeline.0.to": 3, "max_ranks": 3, "model.hidden": ROW_FLOATS,
+        "model.nominal_expert_bytes": ROW_FLOATS * 4 * sc.model.tensors_per_layer})
+
+
+def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0) -> dict[str, Any]:
+    """Simulated against measured time of each rebalance and reconfiguration of :func:`comparison_scenario`."""
+    from sim.run import run_scenario
+
+    from .run import run_real
+
+    sc = comparison_scenario()
+    profile = "cuda" if device == "cuda" else "dram"
+    sim = run_scenario(sc, strategy="shared-agent", profile=profile, calibration=calibration)
+    real = run_real(sc, strategy="shared-agent", device=device, timeout_s=timeout_s)
+    rows = []
+    for (what, a, b), (what_r, c, d) in zip(sim.spans, real.spans):
+        if what != what_r:
+            break
+        simulated, measured = b - a, d - c
+        rows.append({"what": what, "simulated_s": round(simulated, 6), "measured_s": round(measured, 6),
+                     "error": round((simulated - measured) / measured, 3) if measured > 0 else None})
+    summary = {}
+    for kind in sorted({r["what"] for r in rows}):
+        errors = [r["error"] for r in rows if r["what"] == kind and r["error"] is not None]
+        if errors:
+            summary[kind] = {"count": len(errors), "median_error": round(statistics.median(errors), 3)}
+    return {"scenario": f"{sc.name} 2->3, {ROW_FLOATS * 4 >> 20} MiB expert rows", "sim_verdict": sim.verdict,
+            "real_verdict": real.verdict, "spans": rows, "summary": summary}

@@ -1,0 +1,72 @@
+"""A timing calibration: what the real backend measured, in the form the simulation's time model takes.
+
+``epsim calibrate`` writes one (JSON); ``epsim run --calibration FILE`` runs the simulation with its numbers instead
+of the defaults: every READ takes ``xfer_latency_s + bytes / bandwidth_Bps`` (bytes at the scenario's nominal expert
+size), and a collective completes ``collective_latency_s`` after its last member arrives.  The other fields say
+where and how it was measured; ``process_start_s`` is informational (the simulation has no process start-up: an
+elastic event's ``prepare_s`` stands for everything PREPARE does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ScenarioError
+
+
+class Calibration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    xfer_latency_s: float = Field(ge=0, description="fixed cost of one READ (post to DONE), seconds")
+    bandwidth_Bps: float = Field(gt=0, description="bytes per second of one READ beyond its fixed cost")
+    collective_latency_s: float = Field(0.0, ge=0, description="an all_reduce of a few bytes, seconds")
+    process_start_s: float | None = Field(None, ge=0, description="a rank process until it can take commands")
+    device: str = "cpu"
+    memory: str = "DRAM"
+    nixl: str = ""
+    host: str = ""
+    measured_at: str = ""
+    points: list[dict[str, float]] = Field(default_factory=list, description="(bytes, seconds) the fit used")
+
+
+def load(path: str | Path) -> Calibration:
+    """The calibration in ``path``; one line naming the file and the problem otherwise."""
+    p = Path(path)
+    try:
+        data: Any = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ScenarioError(f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"calibration {p}: not a JSON file ({exc})") from None
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "the file"
+        raise ScenarioError(f"calibration {p}: {where}: {err['msg']}") from None
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of ``seconds = latency + bytes / bandwidth`` over (bytes, seconds) points, by least
+    squares on the *relative* error: sizes span three orders of magnitude, and a plain fit would let the largest
+    transfers decide the latency (often negative)."""
+    if len(points) < 2:
+        raise ValueError("a fit needs two sizes or more")
+    # minimise sum(((a + n*s) - t)^2 / t^2): the weighted normal equations of a line through (n, t), weights 1/t^2
+    w = [1.0 / (t * t) for _, t in points]
+    sw = sum(w)
+    sn = sum(wi * n for wi, (n, _) in zip(w, points))
+    st = sum(wi * t for wi, (_, t) in zip(w, points))
+    snn = sum(wi * n * n for wi, (n, _) in zip(w, points))
+    snt = sum(wi * n * t for wi, (n, t) in zip(w, points))
+    det = sw * snn - sn * sn
+    slope = (sw * snt - sn * st) / det
+    latency = (st - slope * sn) / sw
+    slope = max(slope, 1e-15)
+    if latency < 0:  # no fixed cost visible at these sizes: the line through the origin
+        latency, slope = 0.0, snt / snn
+    return latency, 1.0 / slope

@@ -1,0 +1,74 @@
+"""Timing calibration: measured on the real backend, taken by the simulation, compared with real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim import scenario as scenario_mod
+from sim.calibration import Calibration, fit, load
+from sim.errors import ScenarioError
+from sim.run import run_scenario
+from tests.conftest import epsim, real_nixl_or_skip
+
+
+def test_fit_recovers_latency_and_bandwidth_by_relative_error():
+    points = [(n, 20e-6 + n / 5e9) for n in (1 << 16, 1 << 20, 1 << 24, 1 << 26)]
+    latency, bandwidth = fit(points)
+    assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(5e9, rel=1e-6)
+    # no visible fixed cost: the line through the origin, never a negative latency
+    latency, bandwidth = fit([(1 << 20, 1e-4), (1 << 24, 1.7e-3)])
+    assert latency >= 0 and bandwidth > 0
+    with pytest.raises(ValueError):
+        fit([(1, 1.0)])
+
+
+def test_bad_calibration_files_are_one_line_errors(tmp_path):
+    with pytest.raises(ScenarioError, match="no such file"):
+        load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ScenarioError, match="not a JSON file"):
+        load(tmp_path / "bad.json")
+    (tmp_path / "neg.json").write_text(json.dumps({"xfer_latency_s": -1, "bandwidth_Bps": 1e9}))
+    with pytest.raises(ScenarioError, match="xfer_latency_s"):
+        load(tmp_path / "neg.json")
+    done = epsim("run", "steady", "--calibration", str(tmp_path / "missing.json"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "epsim calibrate" in done.stderr
+
+
+def test_the_simulation_takes_the_calibrated_times():
+    sc = scenario_mod.load("scale-up")
+    slow = Calibration(xfer_latency_s=1e-3, bandwidth_Bps=1e9, collective_latency_s=1e-3)
+    base = run_scenario(sc)
+    calibrated = run_scenario(sc, calibration=slow)
+    again = run_scenario(sc, calibration=slow)
+    assert calibrated.trace_hash == again.trace_hash  # still deterministic
+    assert calibrated.verdict == base.verdict == "pass"
+
+    def rebalance_s(r):
+        return sum(b - a for what, a, b in r.spans if what == "rebalance")
+
+    # 1 ms per READ and per collective, 1 GB/s: rebalances take far longer than at the defaults (40 GB/s, 10 us)
+    assert rebalance_s(calibrated) > 10 * rebalance_s(base) > 0
+    assert [s[0] for s in calibrated.spans] == [s[0] for s in base.spans]
+
+
+def test_calibrate_measures_writes_and_compares(tmp_path):
+    real_nixl_or_skip()
+    out = tmp_path / "cal.json"
+    done = epsim("calibrate", "--out", str(out), "--json", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    cal = load(out)
+    assert cal.bandwidth_Bps > 1e8 and cal.collective_latency_s > 0 and cal.process_start_s > 0
+    assert len(cal.points) == 6 and cal.memory == "DRAM"
+    cmp = report["comparison"]
+    assert cmp["sim_verdict"] == cmp["real_verdict"] == "pass"
+    kinds = [s["what"] for s in cmp["spans"]]
+    assert "scale_up" in kinds and kinds.count("rebalance") >= 3
+    assert all(s["measured_s"] > 0 and s["simulated_s"] > 0 for s in cmp["spans"])
+    assert set(cmp["summary"]) == {"rebalance", "scale_up"}
+    # the file drives a simulated run
+    done = epsim("run", "scale-up", "--calibration", str(out), "--json")
+    assert done.returncode == 0, done.stderr
