@@ -1,0 +1,29 @@
+"""On a CUDA host: the real backend with expert weights in VRAM, one rank process per GPU (in turn)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import epsim, real_nixl_or_skip
+
+UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
+LEDGER = ("registrations", "duplicate_registrations", "agents_created", "transfers", "bytes_moved")
+
+
+def _run(*args: str) -> dict:
+    done = epsim("run", *args, "--json", timeout=600)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["shared-agent", "per-communicator-agent", "arena-registry"])
+def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy) -> None:
+    real_nixl_or_skip()
+    real = _run(*UP_2_TO_3, "--strategy", strategy, "--backend", "real", "--device", "cuda")
+    sim = _run(*UP_2_TO_3, "--strategy", strategy, "--profile", "cuda")
+    assert real["profile"] == "real-cuda"
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("pass", None)
+    assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
