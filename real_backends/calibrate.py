@@ -5,6 +5,7 @@ Measured, between two processes on this host as ranks are:
 - READ time against size (64 KiB to expert-sized 64 MiB; host memory, or VRAM with ``--device cuda``) through
   the EPLB communicator's calls (descriptor lists prepared, the READ posted and polled to DONE, everything
   released): fitted as ``latency + bytes / bandwidth`` (the simulation's transfer time model), by relative error;
+  the first READ after loading a peer, over a steady one, is the connection cost (``connect_s``);
 - a gloo ``all_reduce`` of one float on loopback between two processes that each hold a NIXL agent (its progress
   thread competes for the cores, as in a rank): the barrier every layer's ``execute()`` ends with;
 - a rank process's start-up until it can take commands (imports, an agent): informational.
@@ -108,10 +109,15 @@ def measure_process_start(repeats: int = 3) -> float:
 def measure(device: str = "cpu", sizes_mib=(1 / 16, 1 / 4, 1, 4, 16, 64), repeats: int = 9) -> Calibration:
     from benchmarks import transfers
 
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # the helper processes' INFO lines would land on stdout
+
     reads = transfers.measure(sizes_mib=sizes_mib, repeats=repeats, device=device, prep_each=True)
     points = [(v["bytes"], v["nixl_s"]) for v in reads["sizes"].values()]
     latency, bandwidth = fit(points)
-    return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, collective_latency_s=measure_collective(),
+    # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
+    connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
+    return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
+                       collective_latency_s=measure_collective(),
                        process_start_s=measure_process_start(), device=device, memory=reads["memory"],
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -2,7 +2,8 @@
 
 ``epsim calibrate`` writes one (JSON); ``epsim run --calibration FILE`` runs the simulation with its numbers instead
 of the defaults: every READ takes ``xfer_latency_s + bytes / bandwidth_Bps`` (bytes at the scenario's nominal expert
-size), and a collective completes ``collective_latency_s`` after its last member arrives.  The other fields say
+size), the first one towards a peer ``connect_s`` more, and a collective completes ``collective_latency_s`` after
+its last member arrives.  The other fields say
 where and how it was measured; ``process_start_s`` is informational (the simulation has no process start-up: an
 elastic event's ``prepare_s`` stands for everything PREPARE does).
 """
@@ -24,6 +25,8 @@ class Calibration(BaseModel):
     xfer_latency_s: float = Field(ge=0, description="fixed cost of one READ (post to DONE), seconds")
     bandwidth_Bps: float = Field(gt=0, description="bytes per second of one READ beyond its fixed cost")
     collective_latency_s: float = Field(0.0, ge=0, description="an all_reduce of a few bytes, seconds")
+    connect_s: float = Field(0.0, ge=0, description="what the first READ towards a peer costs on top: loading its "
+                                                     "metadata and wiring the endpoint up, seconds")
     process_start_s: float | None = Field(None, ge=0, description="a rank process until it can take commands")
     device: str = "cpu"
     memory: str = "DRAM"

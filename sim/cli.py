@@ -203,8 +203,9 @@ def calibrate(
         typer.echo(json.dumps(report))
         return
     c = calibration
-    typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s; "
-               f"gloo all_reduce {c.collective_latency_s * 1e6:.0f} us; rank process start {c.process_start_s:.2f} s")
+    typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
+               f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
+               f"us; rank process start {c.process_start_s:.2f} s")
     if out is not None:
         typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
     if compare:

@@ -32,8 +32,8 @@ class NominalTimeModel(TimeModel):
     """Transfers take the time of the scenario's *nominal* expert size, not of the tiny rows the simulation moves."""
 
     def __init__(self, row_bytes: int, nominal_row_bytes: float, bandwidth_Bps: float = 40e9,
-                 latency_s: float = 10e-6) -> None:
-        super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
+                 latency_s: float = 10e-6, connect_s: float = 0.0) -> None:
+        super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, connect_s=connect_s)
         object.__setattr__(self, "_scale", nominal_row_bytes / max(1, row_bytes))
 
     def xfer_seconds(self, nbytes: int) -> float:
@@ -57,7 +57,8 @@ class Cluster(Engine):
         row_bytes = m.hidden * 4
         self.calibration = calibration  # a sim.calibration.Calibration: measured READ and collective times
         timing = {} if calibration is None else {"bandwidth_Bps": calibration.bandwidth_Bps,
-                                                 "latency_s": calibration.xfer_latency_s}
+                                                 "latency_s": calibration.xfer_latency_s,
+                                                 "connect_s": calibration.connect_s}
         time_model = NominalTimeModel(row_bytes, m.nominal_expert_bytes / m.tensors_per_layer, **timing)
         self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami, time_model=time_model)
         self.fabric.poll_wait = self._poll_wait

@@ -36,6 +36,7 @@ class TimeModel:
     xfer_latency_s: float = 5e-6
     bandwidth_Bps: float = 40e9  # per transfer request
     notif_latency_s: float = 5e-6
+    connect_s: float = 0.0  # the first transfer towards a peer also waits for the endpoint's wire-up
 
     def xfer_seconds(self, nbytes: int) -> float:
         return self.xfer_latency_s + nbytes / self.bandwidth_Bps
@@ -101,7 +102,8 @@ class FakeFabric:
     def xfer_duration(self, nbytes: int, op: str, wired: bool) -> float:
         """Ticks (or simulated seconds) from post to completion.  ``wired``: the endpoint is already connected."""
         if self.simulated:
-            return self.time_model.xfer_seconds(nbytes)
+            seconds = self.time_model.xfer_seconds(nbytes)
+            return seconds if wired else seconds + self.time_model.connect_s
         if self.transport == "tcp":
             return 3.0
         # cma on one host: a WRITE, and a READ on a connected endpoint, are done when transfer() returns; the
