@@ -18,11 +18,8 @@ import os
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +29,7 @@ from sim.eplb.state import LoadWindow, Placement
 from sim.errors import ScenarioError
 
 from .groups import RealGroup
+from .launch import LocalLauncher, processes_needed
 from .rank import RankConfig
 
 _cmd_ids = itertools.count(1)
@@ -78,53 +76,6 @@ class _Clock:
         return time.monotonic()
 
 
-class _Child:
-    """A rank's OS process, with the few calls the cluster makes (``multiprocessing.Process``'s names)."""
-
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen, self.pid = popen, popen.pid
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        if self.is_alive():
-            self.popen.kill()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-
-def _start_rank(cfg: RankConfig) -> tuple[Connection, _Child]:
-    """``python -m real_backends.rank FD`` with one end of a socket pair; the config goes over it first.  A fresh
-    interpreter rather than multiprocessing's spawn: spawn re-imports the caller's main module, which a script on
-    stdin or in a notebook does not have."""
-    mine, theirs = socket.socketpair()
-    try:
-        popen = subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
-                                 pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=_child_env())
-    finally:
-        theirs.close()
-    conn = Connection(mine.detach())
-    conn.send(cfg)
-    return conn, _Child(popen)
-
-
-def _child_env() -> dict[str, str]:
-    """The parent's environment; its import path first, so the rank imports the same epsim."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
-
-
 class RankProcess:
     def __init__(self, cluster: "RealCluster", pid: int, cfg: RankConfig) -> None:
         self.cluster, self.pid = cluster, pid
@@ -136,7 +87,7 @@ class RankProcess:
         # What the worker holds, as the commands posted to it imply: which drops a command makes.
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
-        self.conn, self.proc = _start_rank(cfg)
+        self.conn, self.proc = cluster.launcher.start(cfg)
         self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
         self.reader.start()
 
@@ -147,6 +98,9 @@ class RankProcess:
             except (EOFError, OSError, TypeError, ValueError):  # closed: by the rank's exit, or by stop_all
                 break
             self.cluster.inbox.put((self.pid, msg))
+        on_eof = getattr(self.proc, "on_eof", None)  # a torchrun slot is gone when its connection is
+        if on_eof is not None:
+            on_eof()
         self.cluster.inbox.put((self.pid, ("eof",)))
 
     def post(self, cmd) -> Handle:
@@ -175,7 +129,7 @@ class RankProcess:
 
 class RealCluster(Engine):
     def __init__(self, scenario, *, seed: int, strategy: str, faults: list[fault_catalogue.Armed] = (),
-                 device: str = "cpu", timeout_s: float = 120.0, on_progress=None) -> None:
+                 device: str = "cpu", timeout_s: float = 120.0, on_progress=None, launcher=None) -> None:
         from sim.eplb.communicators import plugins
 
         check_real_faults(list(faults))
@@ -193,6 +147,7 @@ class RealCluster(Engine):
         self.completed = False  # the timeline ran to its end, shutdown included
         self.t0 = time.monotonic()
         self._store = None
+        self.launcher = launcher or LocalLauncher()  # who starts rank processes: this host, or torchrun's slots
 
     # -- messages from the ranks --------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -245,15 +200,16 @@ class RealCluster(Engine):
         pid = self._next_pid
         self._next_pid += 1
         cfg = RankConfig(pid=pid, parent=os.getpid(), scenario=self.scenario.model_dump(mode="json"),
-                         strategy=self.strategy, device=self._device_of(pid), store=("127.0.0.1", self._store.port),
-                         group=group, placement=placement, timeout_s=self.timeout_s)
+                         strategy=self.strategy, device=self._device_of(pid),
+                         store=(self.launcher.store_host, self._store.port), group=group, placement=placement,
+                         timeout_s=self.timeout_s)
         w = RankProcess(self, pid, cfg)
         self.workers[pid] = w
         self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank)
         return w
 
     def _device_of(self, pid: int) -> str:
-        """One process per GPU: rank processes take the visible GPUs in turn."""
+        """One process per GPU: rank processes take the visible GPUs in turn (a torchrun slot uses its own)."""
         if self.device != "cuda":
             return self.device
         import torch
@@ -334,16 +290,19 @@ class RealCluster(Engine):
     def run(self) -> None:
         from torch.distributed import TCPStore
 
-        saved_env = {k: os.environ.get(k) for k in LOOPBACK_ENV}
-        os.environ.update({k: v for k, v in LOOPBACK_ENV.items() if k not in os.environ or k == "OMP_NUM_THREADS"})
+        env = LOOPBACK_ENV if self.launcher.loopback else {"NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update({k: v for k, v in env.items() if k not in os.environ or k == "OMP_NUM_THREADS"})
         previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
             else None
         try:
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            self._store = TCPStore(self.launcher.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.launcher.open(processes_needed(self.scenario))
             self.engine()
         finally:
             self.stop_all()
+            self.launcher.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             for k, v in saved_env.items():
@@ -384,8 +343,6 @@ class _Recorder:
 def _half_close(conn) -> None:
     """Shut down the parent's sending side of a rank's pipe: the rank reads EOF, while the reader thread still
     gets everything the rank sends until it exits (closing the descriptor would not wake a blocked reader)."""
-    import socket
-
     try:
         sock = socket.socket(fileno=os.dup(conn.fileno()))
     except (OSError, ValueError):

@@ -31,7 +31,7 @@ _IMMORTAL: list[Any] = []  # gc.never: lives until interpreter shutdown, like an
 @dataclass
 class RankConfig:
     pid: int
-    parent: int  # the parent's OS pid: this process dies with it
+    parent: int | None  # the parent's OS pid: this process dies with it (None: a torchrun slot, torchrun's job)
     scenario: dict[str, Any]
     strategy: str
     device: str
@@ -284,7 +284,8 @@ def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:
 
 def rank_main(conn, cfg: RankConfig) -> None:
     """The rank process: set up, then run the parent's commands until ``exit``."""
-    _die_with_parent(cfg.parent)
+    if cfg.parent is not None:
+        _die_with_parent(cfg.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the parent, which stops every rank itself
     link = Link(conn, cfg.pid)
     gc.disable()  # collections happen where vLLM makes them (commit) and at exit, never at random
@@ -302,6 +303,10 @@ def rank_main(conn, cfg: RankConfig) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the parent went away
+        if msg[0] == "kill":  # fail_rank on a torchrun slot: the engine cannot signal another host's process.
+            # Ended at once, no finalizer or atexit runs, the kernel closes its sockets: to its peers what a SIGKILL
+            # is.  Exit status 0, because torchrun tears every slot down when one fails, the engine's included.
+            os._exit(0)
         _, cmd_id, kind, args, step, gc_faults = msg
         worker.step, worker.gc_faults = step, gc_faults
         try:

@@ -16,7 +16,7 @@ from .judge import judge
 
 def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
              faults: list[str | fault_catalogue.Armed] = (), device: str = "cpu", timeout_s: float = 120.0,
-             out: str | Path | None = None, on_progress=None) -> Result:
+             out: str | Path | None = None, on_progress=None, launcher=None) -> Result:
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
     armed = [fault_catalogue.validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
@@ -32,7 +32,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
             raise ScenarioError("--device cuda needs a CUDA GPU; none is visible here")
     started = time.perf_counter()
     cluster = RealCluster(scenario, seed=seed, strategy=strategy, faults=armed, device=device,
-                          timeout_s=timeout_s, on_progress=on_progress)
+                          timeout_s=timeout_s, on_progress=on_progress, launcher=launcher)
     cluster.run()
     wall = time.perf_counter() - started
     history, oracles = judge(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck)

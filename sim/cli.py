@@ -86,6 +86,14 @@ def run(
     """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
     from . import runner
 
+    if backend == "real":
+        import os
+
+        from real_backends.launch import serve_slot, under_torchrun
+
+        if under_torchrun() and os.environ["RANK"] != "0":  # a torchrun slot: wait for a rank to run, then exit
+            raise typer.Exit(serve_slot())
+
     result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                        out=out, check_determinism=check_determinism, overrides=overrides,
                                        backend=backend, device=device, timeout_s=timeout, calibration=calibration)

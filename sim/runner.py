@@ -27,11 +27,13 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
             raise ScenarioError("--profile picks a fake NIXL's behaviour; the real backend is the library itself")
         if check_determinism:
             raise ScenarioError("--check-determinism compares simulated runs; a real run's timing is the host's")
+        from real_backends.launch import TorchrunLauncher, under_torchrun
         from real_backends.run import run_real
 
+        launcher = TorchrunLauncher() if under_torchrun() else None  # slot 0 of a torchrun job runs the engine
         with RunProgress(sc.name, sc.steps) as progress:
             return run_real(sc, seed=seed, strategy=strategy, faults=list(faults), device=device,
-                            timeout_s=timeout_s, out=out, on_progress=progress), None
+                            timeout_s=timeout_s, out=out, on_progress=progress, launcher=launcher), None
     if backend != "sim":
         raise ScenarioError(f"--backend {backend!r}: use sim or real")
     if device != "cpu":

@@ -1,0 +1,245 @@
+"""Who starts the rank processes of a real run: this host (``LocalLauncher``), or the slots torchrun started.
+
+Locally, every rank is ``python -m real_backends.rank FD``, a child of the run's process, on one end of a socket
+pair; everything binds to loopback.
+
+Under torchrun (``epsim run ... --backend real`` started once per slot with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), slot 0 runs the engine and listens on
+``MASTER_ADDR:MASTER_PORT+1`` (``EPSIM_PORT`` overrides); every slot, slot 0's own included (a child process),
+connects and waits.  A rank the scenario starts takes the next waiting slot, on that slot's GPU (``LOCAL_RANK``);
+a slot serves one rank and then exits, as a process retired by a scale-down does.  Slots no rank needed are told
+so at the end.  Multi-host addresses are asked for by running under torchrun, so nothing here forces loopback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+from sim.errors import ScenarioError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ACCEPT_TIMEOUT_S = 300.0
+
+
+class _Child:
+    """A local rank process, with the calls the cluster makes (``multiprocessing.Process``'s names)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
+def child_env() -> dict[str, str]:
+    """The parent's environment; its import path first, so the rank imports the same epsim."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+class LocalLauncher:
+    """Rank processes on this host, children of this process, on loopback."""
+
+    store_host = "127.0.0.1"
+    loopback = True
+
+    def open(self, processes: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def start(self, cfg) -> tuple[Connection, Any]:
+        """``python -m real_backends.rank FD``: a fresh interpreter rather than multiprocessing's spawn, which
+        re-imports the caller's main module (a script on stdin or in a notebook has none)."""
+        mine, theirs = socket.socketpair()
+        try:
+            popen = subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=child_env())
+        finally:
+            theirs.close()
+        conn = Connection(mine.detach())
+        conn.send(cfg)
+        return conn, _Child(popen)
+
+
+# -- torchrun ---------------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def processes_needed(scenario) -> int:
+    """Rank processes a run starts in all: the first group, plus every rank a scale-up or an abort adds."""
+    size, total = scenario.ranks, scenario.ranks
+    for ev in scenario.timeline:
+        if ev.kind in ("scale_up", "abort") and ev.to > size:
+            total += ev.to - size
+        if ev.kind in ("scale_up", "scale_down"):
+            size = ev.to
+    return total
+
+
+def _address() -> tuple[str, int]:
+    port = int(os.environ.get("EPSIM_PORT") or int(os.environ["MASTER_PORT"]) + 1)
+    return os.environ["MASTER_ADDR"], port
+
+
+def _authkey() -> bytes:
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ["MASTER_ADDR"] + os.environ["MASTER_PORT"]
+    return hashlib.sha256(f"epsim-{run}".encode()).digest()
+
+
+class _Slot:
+    """A torchrun slot serving a rank: alive until its connection closes."""
+
+    def __init__(self, conn: Connection, info: dict[str, Any]) -> None:
+        self.conn, self.info, self.pid = conn, info, info["os_pid"]
+        self._gone = threading.Event()
+        self.killed = False
+
+    def on_eof(self) -> None:
+        self._gone.set()
+
+    def is_alive(self) -> bool:
+        return not self._gone.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._gone.wait(timeout)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.killed = True
+            try:
+                self.conn.send(("kill",))
+            except OSError:
+                pass
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.is_alive():
+            return None
+        return -signal.SIGKILL if self.killed else 0
+
+
+class TorchrunLauncher:
+    """Slot 0's side: the engine runs here and hands ranks to the slots torchrun started."""
+
+    loopback = False
+
+    def __init__(self) -> None:
+        self.store_host = os.environ["MASTER_ADDR"]
+        self.world = int(os.environ["WORLD_SIZE"])
+        self._listener: socket.socket | None = None
+        self._free: list[tuple[Connection, dict[str, Any]]] = []
+        self._own: subprocess.Popen | None = None
+
+    def open(self, processes: int) -> None:
+        if processes > self.world:
+            raise ScenarioError(f"the scenario starts {processes} rank processes in all; torchrun started "
+                                f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank")
+        self._listener = socket.create_server(_address())
+        # Slot 0 is this process's job too: a child connects like every other slot.
+        self._own = subprocess.Popen([sys.executable, "-m", "real_backends.launch"],
+                                     env=dict(child_env(), EPSIM_SLOT_OF="0"))
+        slots = []
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        while len(slots) < self.world:
+            self._listener.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock, _ = self._listener.accept()
+            except (socket.timeout, OSError):
+                raise ScenarioError(f"only {len(slots)} of {self.world} torchrun slots connected to "
+                                    f"{_address()[0]}:{_address()[1]} within {ACCEPT_TIMEOUT_S:g} s") from None
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            try:  # the shared key's challenge before anything is unpickled from the network
+                deliver_challenge(conn, _authkey())
+                answer_challenge(conn, _authkey())
+            except Exception:  # noqa: BLE001 - not one of ours: drop it and go on waiting
+                conn.close()
+                continue
+            slots.append((conn, conn.recv()))
+        self._free = sorted(slots, key=lambda s: s[1]["rank"])
+
+    def start(self, cfg) -> tuple[Connection, Any]:
+        conn, info = self._free.pop(0)
+        cfg.parent = None  # the slot's parent is torchrun's agent, not this process
+        if cfg.device.startswith("cuda"):
+            cfg.device = f"cuda:{info['local_rank']}"
+        conn.send(("config", cfg))
+        return conn, _Slot(conn, info)
+
+    def close(self) -> None:
+        for conn, _ in self._free:
+            try:
+                conn.send(("done",))
+                conn.close()
+            except OSError:
+                pass
+        self._free = []
+        if self._listener is not None:
+            self._listener.close()
+        if self._own is not None:
+            try:
+                self._own.wait(30)
+            except subprocess.TimeoutExpired:
+                self._own.kill()
+
+
+def serve_slot() -> int:
+    """A slot other than the engine's: connect, then run the rank it is given (or none), and exit."""
+    from .rank import rank_main
+
+    rank = int(os.environ.get("EPSIM_SLOT_OF") or os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    while True:  # slot 0 may not listen yet
+        try:
+            sock = socket.create_connection(_address(), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    answer_challenge(conn, _authkey())
+    deliver_challenge(conn, _authkey())
+    conn.send({"rank": rank, "local_rank": local, "host": socket.gethostname(), "os_pid": os.getpid()})
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return 0
+    if msg[0] != "config":
+        return 0
+    rank_main(conn, msg[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_slot())
