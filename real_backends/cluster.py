@@ -29,7 +29,7 @@ from sim.eplb.state import LoadWindow, Placement
 from sim.errors import ScenarioError
 
 from .groups import RealGroup
-from .launch import LocalLauncher, processes_needed
+from .launch import LocalLauncher
 from .rank import RankConfig
 
 _cmd_ids = itertools.count(1)
@@ -298,7 +298,7 @@ class RealCluster(Engine):
         try:
             self._store = TCPStore(self.launcher.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-            self.launcher.open(processes_needed(self.scenario))
+            self.launcher.open(self.scenario)
             self.engine()
         finally:
             self.stop_all()

@@ -68,8 +68,14 @@ class LocalLauncher:
     store_host = "127.0.0.1"
     loopback = True
 
-    def open(self, processes: int) -> None:
-        pass
+    def __init__(self, ranks_per_host: int | None = None) -> None:
+        self.ranks_per_host = ranks_per_host
+
+    def open(self, scenario) -> None:
+        peak = scenario.peak_ranks()
+        if self.ranks_per_host is not None and peak > self.ranks_per_host:
+            raise ScenarioError(f"the scenario runs up to {peak} ranks at once and --ranks-per-host is "
+                                f"{self.ranks_per_host}: run it under torchrun across hosts (docs/real-backend.md)")
 
     def close(self) -> None:
         pass
@@ -151,14 +157,17 @@ class TorchrunLauncher:
 
     loopback = False
 
-    def __init__(self) -> None:
+    def __init__(self, ranks_per_host: int | None = None) -> None:
         self.store_host = os.environ["MASTER_ADDR"]
         self.world = int(os.environ["WORLD_SIZE"])
+        self.ranks_per_host = ranks_per_host
         self._listener: socket.socket | None = None
         self._free: list[tuple[Connection, dict[str, Any]]] = []
+        self._started: list[_Slot] = []
         self._own: subprocess.Popen | None = None
 
-    def open(self, processes: int) -> None:
+    def open(self, scenario) -> None:
+        processes = processes_needed(scenario)
         if processes > self.world:
             raise ScenarioError(f"the scenario starts {processes} rank processes in all; torchrun started "
                                 f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank")
@@ -185,14 +194,35 @@ class TorchrunLauncher:
                 continue
             slots.append((conn, conn.recv()))
         self._free = sorted(slots, key=lambda s: s[1]["rank"])
+        hosts = {info["host"] for _, info in slots}
+        if self.ranks_per_host is not None and scenario.peak_ranks() > self.ranks_per_host * len(hosts):
+            raise ScenarioError(f"the scenario runs up to {scenario.peak_ranks()} ranks at once; {len(hosts)} "
+                                f"host(s) at --ranks-per-host {self.ranks_per_host} take "
+                                f"{self.ranks_per_host * len(hosts)}")
 
     def start(self, cfg) -> tuple[Connection, Any]:
-        conn, info = self._free.pop(0)
+        conn, info = self._free.pop(self._next_slot())
         cfg.parent = None  # the slot's parent is torchrun's agent, not this process
         if cfg.device.startswith("cuda"):
             cfg.device = f"cuda:{info['local_rank']}"
         conn.send(("config", cfg))
-        return conn, _Slot(conn, info)
+        slot = _Slot(conn, info)
+        self._started.append(slot)
+        return conn, slot
+
+    def _next_slot(self) -> int:
+        """The first waiting slot (by torchrun rank) on a host below ``ranks_per_host`` live ranks."""
+        if self.ranks_per_host is None:
+            return 0
+        live: dict[str, int] = {}
+        for slot in self._started:
+            if slot.is_alive():
+                live[slot.info["host"]] = live.get(slot.info["host"], 0) + 1
+        for i, (_, info) in enumerate(self._free):
+            if live.get(info["host"], 0) < self.ranks_per_host:
+                return i
+        raise ScenarioError(f"every host already runs {self.ranks_per_host} ranks (--ranks-per-host); start "
+                            "torchrun on more hosts")
 
     def close(self) -> None:
         for conn, _ in self._free:

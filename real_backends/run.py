@@ -11,18 +11,22 @@ from sim import faults as fault_catalogue
 from sim.run import Result, signature
 
 from .cluster import RealCluster
+from .launch import LocalLauncher
 from .judge import judge
 
 
 def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
              faults: list[str | fault_catalogue.Armed] = (), device: str = "cpu", timeout_s: float = 120.0,
-             out: str | Path | None = None, on_progress=None, launcher=None) -> Result:
+             out: str | Path | None = None, on_progress=None, launcher=None,
+             ranks_per_host: int | None = None) -> Result:
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
     armed = [fault_catalogue.validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
                                                **({"times": f.times} if f.times else {})})
              for f in scenario.faults]
     armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
+    if launcher is None:
+        launcher = LocalLauncher(ranks_per_host)
     if device == "cuda":
         import torch
 

@@ -82,6 +82,8 @@ def run(
     timeout: float = typer.Option(120.0, help="real backend: seconds a rank may take to answer one command"),
     calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
                                                          "`epsim calibrate --out FILE`"),
+    ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
+                                                 help="real backend: most rank processes one host runs at once"),
 ) -> None:
     """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
     from . import runner
@@ -96,7 +98,8 @@ def run(
 
     result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                        out=out, check_determinism=check_determinism, overrides=overrides,
-                                       backend=backend, device=device, timeout_s=timeout, calibration=calibration)
+                                       backend=backend, device=device, timeout_s=timeout, calibration=calibration,
+                                       ranks_per_host=ranks_per_host)
     payload = result.to_dict()
     if again is not None:
         payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}

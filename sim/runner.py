@@ -14,7 +14,7 @@ from .run import Result, run_scenario
 
 def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism, overrides=(),
                 backend: str = "sim", device: str = "cpu", timeout_s: float = 120.0,
-                calibration: str | None = None) -> tuple[Result, str | None]:
+                calibration: str | None = None, ranks_per_host: int | None = None) -> tuple[Result, str | None]:
     from .progress import RunProgress
 
     sc = scenario_mod.load(name)
@@ -30,12 +30,16 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         from real_backends.launch import TorchrunLauncher, under_torchrun
         from real_backends.run import run_real
 
-        launcher = TorchrunLauncher() if under_torchrun() else None  # slot 0 of a torchrun job runs the engine
+        # Slot 0 of a torchrun job runs the engine; the other slots never get here (`epsim run` serves them).
+        launcher = TorchrunLauncher(ranks_per_host) if under_torchrun() else None
         with RunProgress(sc.name, sc.steps) as progress:
             return run_real(sc, seed=seed, strategy=strategy, faults=list(faults), device=device,
-                            timeout_s=timeout_s, out=out, on_progress=progress, launcher=launcher), None
+                            timeout_s=timeout_s, out=out, on_progress=progress, launcher=launcher,
+                            ranks_per_host=ranks_per_host), None
     if backend != "sim":
         raise ScenarioError(f"--backend {backend!r}: use sim or real")
+    if ranks_per_host is not None:
+        raise ScenarioError("--ranks-per-host places real rank processes; a simulation has no hosts")
     if device != "cpu":
         raise ScenarioError("--device is for --backend real; a simulation places nothing on a device")
     timing = None

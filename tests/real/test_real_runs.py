@@ -71,7 +71,8 @@ def test_real_faults_are_done_for_real_and_agree(fault):
 
 
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():
-    for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",)):
+    for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
+                  ("--ranks-per-host", "1"), ("--calibration", "x.json")):
         done = epsim("run", "steady", "--backend", "real", *extra)
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()

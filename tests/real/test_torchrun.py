@@ -39,3 +39,7 @@ def test_too_few_torchrun_slots_is_one_clear_line():
     errors = [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")]
     assert errors == ["epsim: error: the scenario starts 6 rank processes in all; torchrun started 2 slots "
                       "(--nproc-per-node x nodes); each slot serves one rank"]
+    done = torchrun(3, "scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", "--ranks-per-host", "2")
+    assert done.returncode != 0
+    assert [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")] == [
+        "epsim: error: the scenario runs up to 3 ranks at once; 1 host(s) at --ranks-per-host 2 take 2"]
