@@ -51,7 +51,7 @@ CASES: list[Case] = [
     Case("steady", "shared-agent", quick=True),
     *(Case("scale-up", s, UP_2_TO_3) for s in STRATEGIES),
     *(Case("scale-down", s, DOWN_3_TO_2) for s in STRATEGIES),
-    Case("abort", "per-communicator-agent", quick=True),
+    Case("abort", "per-communicator-agent"),
     Case("elastic-cycle", "shared-agent"),
     Case("rank-failure", "shared-agent", quick=True),
     # The GC and worker faults the real backend does for real.  gc.late waits 10 s: far longer than the ~2 s a
