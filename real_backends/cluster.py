@@ -41,7 +41,7 @@ class RealFaultRefused(ScenarioError):
     """A fault only the fake NIXL can produce was asked of the real backend."""
 
 
-REAL_SITES = frozenset(fault_catalogue.GC_SITES) | frozenset(fault_catalogue.WORKER_SITES)
+REAL_SITES = frozenset(fault_catalogue.GC_SITES) | {"storage.move", "peer.restart"}
 
 
 def check_real_faults(armed: list[fault_catalogue.Armed]) -> None:
@@ -133,6 +133,9 @@ class RealCluster(Engine):
         from sim.eplb.communicators import plugins
 
         check_real_faults(list(faults))
+        if scenario.all2all.backend != "none":
+            raise ScenarioError(f"all2all.backend {scenario.all2all.backend}: the real backend runs no all2all "
+                                "buffers yet (DeepEP needs a build and GPUs); simulate it, or set all2all.backend=none")
         plugins.load(strategy, fresh=False)  # a missing or broken strategy is a one-line error before anything starts
         self.scenario, self.seed, self.strategy, self.device = scenario, seed, strategy, device
         self.timeout_s = timeout_s

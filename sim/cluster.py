@@ -84,6 +84,15 @@ class Cluster(Engine):
         if entry is not None:
             self.kernel.history.record(entry[0], **entry[1])
 
+    def _deep_ep(self):
+        """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""
+        if self.scenario.all2all.backend == "none":
+            return _no_deep_ep()
+        import fakes.deep_ep
+
+        fakes.deep_ep.configure(self.kernel, self.scenario.all2all.nvshmem)
+        return fakes.deep_ep.installed()
+
     def restart_agents(self, pid: int) -> list[str]:
         """Fault ``peer.restart``: every live agent of ``pid`` restarts in place under its name (on pid's thread)."""
         from fakes.nixl._agent import restart_in_place
@@ -184,7 +193,7 @@ class Cluster(Engine):
             plugins.forget_instances(self._modules_before)
 
     def _run(self) -> None:
-        with fakes.installed(self.fabric), torch_dist.installed():
+        with fakes.installed(self.fabric), torch_dist.installed(), self._deep_ep():
             self.kernel.spawn("engine", self.engine, pid=-1)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.
@@ -193,6 +202,13 @@ class Cluster(Engine):
             self.kernel.history.record("interpreter.shutdown", objects=len(left))
             with self.kernel.deterministic():
                 del left
+        for where, exc in self.kernel.unraisable:
+            # A collective that times out inside a finalizer (a DeepEP buffer's destroy run by the collector) is
+            # a liveness failure like any other; other finalizer errors stay in the history only.
+            if isinstance(exc, torch_dist.CollectiveTimeout):
+                index = next((i for i, (_, kind, f) in enumerate(self.kernel.history.records)
+                              if kind == "finalizer.error" and f.get("where") == where), len(self.kernel.history))
+                self.oracles.crashed(f"finalizer {where}", -1, exc, index)
         for th, exc in self.kernel.crashes:
             index = next((i for i, (_, kind, f) in enumerate(self.kernel.history.records)
                           if kind == "thread.crash" and f.get("thread") == th.name), len(self.kernel.history))
@@ -202,6 +218,12 @@ class Cluster(Engine):
             self.oracles.stuck(f"the engine did not finish: {engine!r}")
         if not self.oracles.problems:
             self.oracles.after_shutdown()
+
+
+def _no_deep_ep():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

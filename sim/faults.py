@@ -16,15 +16,17 @@ from fakes.nixl._faults import SITES as NIXL_SITES
 
 from .errors import ScenarioError
 
+# Every GC site also takes ``what``: only drops whose description contains it (``what=buffer``: all2all buffers,
+# ``what=communicator``: EPLB communicators); without it, every drop.
 GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
-    "gc.late": ("a dropped communicator is finalized delay_s later, on a thread of its own process",
-                frozenset({"delay_s"})),
-    "gc.cycle": ("a dropped communicator sits in a reference cycle until the next planned gc.collect()",
-                 frozenset()),
-    "gc.thread": ("a dropped communicator is finalized on another thread of its process (async EPLB / prepare)",
-                  frozenset()),
-    "gc.never": ("a dropped communicator lives until interpreter shutdown, when the fake modules are torn down",
-                 frozenset()),
+    "gc.late": ("a dropped communicator (or all2all buffer) is finalized delay_s later, on a thread of its own "
+                "process", frozenset({"delay_s", "what"})),
+    "gc.cycle": ("a dropped communicator (or buffer) sits in a reference cycle until the next planned gc.collect()",
+                 frozenset({"what"})),
+    "gc.thread": ("a dropped communicator (or buffer) is finalized on another thread of its process (async EPLB / "
+                  "prepare)", frozenset({"what"})),
+    "gc.never": ("a dropped communicator (or buffer) lives until interpreter shutdown, when the fake modules are "
+                 "torn down", frozenset({"what"})),
 }
 # Faults the harness itself injects into a worker.
 WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
@@ -33,6 +35,9 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "peer.restart": ("a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
                      "memory registered again, no peers loaded); peers that kept the old entry must remove it "
                      "before loading the name again", frozenset()),
+    "all2all.cleanup_late": ("the retired group's all2all buffers are destroyed delay_s later on the background "
+                             "cleanup thread, while the new group already serves (DeepEP scenarios)",
+                             frozenset({"delay_s"})),
 }
 COMMON = frozenset({"rank", "times", "at_step"})
 
@@ -139,6 +144,8 @@ class FaultPlan:
             if a.site not in sites or (a.times is not None and a.fired >= a.times):
                 continue
             if "rank" in a.params and int(a.params["rank"]) != pid:
+                continue
+            if "what" in a.params and str(a.params["what"]) not in what:
                 continue
             if a.at_step > self.step:
                 continue

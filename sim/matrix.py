@@ -18,6 +18,20 @@ SCENARIOS = ("steady", "scale-up", "scale-down", "elastic-cycle", "abort", "rank
 GC_FAULTS = ("", "gc.late:delay_s=2", "gc.cycle", "gc.thread", "gc.never")
 SEED = 0
 
+# The DeepEP dimension: all2all backend x NVSHMEM build (rows) against the reconfigurations and faults that
+# decide them (columns), with per-communicator-agent on dram so that only the buffers can fail a run.
+DEEPEP_STRATEGY, DEEPEP_PROFILE = "per-communicator-agent", "dram"
+DEEPEP_ROWS = (("deepep_low_latency", "stock"), ("deepep_low_latency", "elastic"), ("deepep_low_latency", "mi355"),
+               ("deepep_high_throughput", "stock"))
+DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
+    ("scale-up", "scale-up", (), {}),
+    ("scale-down", "scale-down", (), {}),
+    ("elastic-cycle", "elastic-cycle", (), {}),
+    ("scale-up, cleanup 5 s late", "scale-up", ("all2all.cleanup_late:delay_s=5",), {}),
+    ("scale-up, explicitly_destroy=False, rank 1's buffer never collected", "scale-up",
+     ("gc.never:rank=1,what=buffer",), {"all2all.explicitly_destroy": False}),
+)
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -44,6 +58,59 @@ def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, fa
                                      faults=[fault] if fault else [])
                     cells.append(Cell(name, strategy, profile, fault, r))
     return cells
+
+
+@dataclass(frozen=True)
+class DeepEPCell:
+    backend: str
+    nvshmem: str
+    column: str
+    result: Result
+
+    @property
+    def short(self) -> str:
+        r = self.result
+        return "pass" if r.verdict == "pass" else f"{r.verdict}: {r.invariant}"
+
+
+def run_deep_ep() -> list[DeepEPCell]:
+    from .scenario import with_overrides
+
+    cells = []
+    for backend, nvshmem in DEEPEP_ROWS:
+        for label, name, faults, extra in DEEPEP_COLUMNS:
+            sc = with_overrides(load(name), **{"all2all.backend": backend, "all2all.nvshmem": nvshmem, **extra})
+            r = run_scenario(sc, seed=SEED, strategy=DEEPEP_STRATEGY, profile=DEEPEP_PROFILE, faults=list(faults))
+            cells.append(DeepEPCell(backend, nvshmem, label, r))
+    return cells
+
+
+def render_deep_ep(cells: list[DeepEPCell]) -> str:
+    out = ["## The DeepEP dimension", "",
+           f"The workers dispatch and combine one MoE layer through the fake DeepEP `Buffer` at every serving chunk "
+           f"and reconfigure as vLLM's managers do: a new group's buffer is made on its first forward step, the "
+           f"retired group's manager destroys its buffers on a background thread after the switch. "
+           f"{DEEPEP_STRATEGY} on {DEEPEP_PROFILE}, seed {SEED}; rows: all2all backend x NVSHMEM build "
+           "(`all2all.backend`, `all2all.nvshmem`).", ""]
+    labels = [c[0] for c in DEEPEP_COLUMNS]
+    out.append("| backend | NVSHMEM | " + " | ".join(labels) + " |")
+    out.append("|---|---|" + "---|" * len(labels))
+    for backend, nvshmem in DEEPEP_ROWS:
+        row = [c for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem)]
+        out.append(f"| {backend} | {nvshmem} | " + " | ".join(c.short for c in row) + " |")
+    out += ["", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
+    seen = set()
+    for c in cells:
+        r = c.result
+        if r.verdict == "pass":
+            continue
+        kind = (r.invariant, (r.detail or "").split(":")[-1][:60])
+        if kind in seen:
+            continue
+        seen.add(kind)
+        out.append(f"- **{c.backend} / {c.nvshmem} / {c.column}**: {r.detail}.")
+    out.append("")
+    return "\n".join(out)
 
 
 def why(cell: Cell) -> tuple[str, str]:
@@ -111,7 +178,7 @@ def render(cells: list[Cell]) -> str:
 
 
 def main() -> int:
-    sys.stdout.write(render(run_matrix()))
+    sys.stdout.write(render(run_matrix()) + "\n" + render_deep_ep(run_deep_ep()))
     return 0
 
 

@@ -5,6 +5,7 @@ Safety invariants (checked as the run goes, each violation tied to the event whe
 - ``unregistered_access``: bytes moved from or into memory that no live agent had registered at that moment
   (cma/NVLink copy it anyway; an RDMA NIC would fail; either way the strategy relied on a registration it lost);
 - ``expert_weights``: after a rebalance, a rank's weights differ from the placement;
+- ``all2all``: a MoE forward through the DeepEP buffer (dispatch, experts, combine) differs from the reference;
 - ``stale_peer``: after a reconfiguration completed, a live agent still has a departed agent loaded;
 - ``agent_threads``: an agent was called by one thread while another thread held open transfer requests on it
   (NIXL 1.5.1 agents run in sync mode NONE: two threads using one agent race);
@@ -140,6 +141,11 @@ class Oracles:
         if problems:
             more = f" (and {len(problems) - 1} more rows)" if len(problems) > 1 else ""
             self._problem("safety", "expert_weights", f"pid {pid}: {problems[0]}{more}")
+
+    def all2all_checked(self, pid: int, problem: str | None) -> None:
+        """A MoE forward through the all2all buffer gave a result other than the single-process reference."""
+        if problem is not None:
+            self._problem("safety", "all2all", f"pid {pid}: {problem}")
 
     def reconfiguration_complete(self, members: list[int]) -> None:
         """No live agent of a member still has an agent of a departed process loaded."""

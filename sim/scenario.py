@@ -127,6 +127,15 @@ class ServingConfig(_Strict):
 EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]
 
 
+class All2AllConfig(_Strict):
+    """The MoE all2all backend of the workers (vLLM's ``--all2all-backend``); ``none`` leaves buffers out."""
+
+    backend: Literal["none", "deepep_high_throughput", "deepep_low_latency"] = "none"
+    nvshmem: Literal["stock", "elastic", "mi355"] = Field(
+        "stock", description="NVSHMEM as built: stock, vLLM's elastic-EP patch, or MI355's ROCm build")
+    explicitly_destroy: bool = Field(True, description="what the managers pass to Buffer (vLLM: True)")
+
+
 class Event(_Strict):
     """One change to the group.  ``abort``: a reconfiguration to ``to`` ranks is prepared, then aborted."""
 
@@ -184,6 +193,7 @@ class Scenario(_Strict):
     model: ModelShape
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    all2all: All2AllConfig = Field(default_factory=All2AllConfig)
     timeline: list[Event] = Field(default_factory=list)
     faults: list[FaultSpec] = Field(default_factory=list)
     profile: str = Field("dram", min_length=1)

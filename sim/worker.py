@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
 from .faults import WORKER_SITES
+from .rng import derive_seed
 
 
 @dataclass
@@ -54,6 +55,10 @@ class Worker:
         self.async_thread = None
         self.main_thread = None
         self.alive = True
+        # The MoE all2all (all2all.backend != none): the group's manager, the standby one PREPARE builds, the MoE
+        # layer's strong reference to its buffer, and the per-process LL class attribute.
+        self.a2a = self.prepared_a2a = self.a2a_buffer = None
+        self.a2a_process = None
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     def post(self, cmd: Command) -> Any:
@@ -88,9 +93,30 @@ class Worker:
         """Start-up (or a new rank's PRE_KV_INIT + PREPARE): the first communicator, with no predecessor."""
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group.group_name, prev=False)
+        self.a2a = self._manager(self.group)
+
+    def _manager(self, group):
+        cfg = self.cluster.scenario.all2all
+        if cfg.backend == "none":
+            return None
+        from .all2all import DeepEPAll2AllManager, ProcessState
+
+        if self.a2a_process is None:
+            self.a2a_process = ProcessState()
+        return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
+                                    self.a2a_process)
 
     def do_serve(self, steps: int, loads: np.ndarray) -> None:
-        """``steps`` forward steps: they take simulated time and add this rank's share of the expert load."""
+        """``steps`` forward steps: they take simulated time and add this rank's share of the expert load; with an
+        all2all backend, one MoE forward (dispatch, experts, combine) through the group's buffer stands for them."""
+        if self.a2a is not None:  # the chunk's first forward step: the first one on a new group makes its buffer
+            from .all2all import forward
+
+            self.a2a_buffer = self.a2a.get_handle()
+            seed = derive_seed(self.kernel.seed, f"all2all@{self.pid}@{self.cluster.step}") % (1 << 63)
+            gen = torch.Generator().manual_seed(seed)
+            problem = forward(self.a2a_buffer, self.group.rank(), self.group.size(), gen)
+            self.cluster.oracles.all2all_checked(self.pid, problem)
         self.kernel.sleep(steps * self.cluster.scenario.serving.step_time_s, "serving")
         self.load.record(loads, steps)
 
@@ -169,6 +195,7 @@ class Worker:
         self.prepared = (comm, group)
         del comm
         self.history("comm.create", gen=group.group_name, prev=True)
+        self.prepared_a2a = self._manager(group)  # the standby all2all manager; its buffer is made on first use
         done.succeed()
 
     def do_commit(self) -> None:
@@ -184,6 +211,28 @@ class Worker:
         self.history("comm.swap", gen=group.group_name)
         self.cluster.gc.drop(self.pid, old, "old communicator")
         del old
+        if self.a2a is not None:
+            self._switch_all2all()
+
+    def _switch_all2all(self) -> None:
+        """The new group's manager serves from now on; the MoE layer drops its old buffer, and the retired group's
+        manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while the new group serves."""
+        retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
+        old_buf, self.a2a_buffer = self.a2a_buffer, None
+        if old_buf is not None:
+            self.cluster.gc.drop(self.pid, old_buf, "old all2all buffer")
+        del old_buf
+        late = self.cluster.faults.take({"all2all.cleanup_late": WORKER_SITES["all2all.cleanup_late"]}, self.pid,
+                                        "all2all cleanup")
+        delay = float(late.params.get("delay_s", 1.0)) if late is not None else 0.0
+        self.kernel.spawn(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay, pid=self.pid,
+                          daemon=True)
+
+    def _cleanup_all2all(self, manager, delay: float) -> None:
+        if delay > 0:
+            self.kernel.sleep(delay, "all2all.cleanup_late")
+        destroyed = manager.destroy()
+        self.history("all2all.cleanup", destroyed=destroyed)
 
     def do_abort(self) -> None:
         self.join_async()
@@ -207,5 +256,12 @@ class Worker:
         if comm is not None:
             self.cluster.gc.drop(self.pid, comm, "communicator at exit")
         del comm
+        if self.a2a is not None:  # shutdown destroys the groups, and with them the managers' buffers
+            manager, self.a2a, self.prepared_a2a = self.a2a, None, None
+            self.history("all2all.cleanup", destroyed=manager.destroy())
+            buf, self.a2a_buffer = self.a2a_buffer, None
+            if buf is not None:
+                self.cluster.gc.drop(self.pid, buf, "all2all buffer at exit")
+            del buf
         self.alive = False
         self.history("worker.exit")

@@ -146,11 +146,13 @@ class Buffer:
             owners[self._pid] = weakref.ref(self)
         if effective != self.group_size:
             # The old world was reused: nvshmem_align is collective over it, and the new group's ranks never meet.
+            why = ("a buffer of the old world is still alive: the second init only bumped its count and ignored the "
+                   "new size" if world.init_count > 1 else
+                   "the old world was reused: stock NVSHMEM does not reset its bootstrap on finalize")
             self._kernel.sleep(100.0, "nvshmem_align across mismatched worlds")
             self.state = POISONED
             raise DeepEPTimeout(f"nvshmem_align hangs: NVSHMEM was initialised for {effective} ranks and this "
-                                f"buffer's group has {self.group_size} (the old world was reused: stock NVSHMEM "
-                                "does not reset its bootstrap on finalize)", [])
+                                f"buffer's group has {self.group_size} ({why})", [])
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _live(self, what: str) -> None:
@@ -438,6 +440,17 @@ class Buffer:
             return
         # The default flag: the whole collective destroy runs here, wherever the collector runs the destructor.
         # Exceptions escape to Python's unraisable hook (the simulator reports them), as pybind's would terminate.
+        kernel = getattr(self, "_kernel", None)
+        if kernel is not None and kernel.current() is None:
+            # After the simulation (its interpreter shutdown): no simulated thread can wait for the peers.  Real
+            # DeepEP would run the barrier at exit and hang or fault if a peer is gone (reference fault 2); here the
+            # buffer is left behind and the history says so.
+            self.state = LEAKED
+            try:
+                kernel.history.record("deep_ep.destroy_at_exit", pid=self._pid, team=self._team.name)
+            except Exception:  # noqa: BLE001 - a destructor never raises
+                pass
+            return
         self._destroy()
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from sim.all2all import expert, local_experts, reference  # noqa: F401 - the reference lives with the sim's forward
+
 HIDDEN, TOKENS, TOPK = 256, 8, 4
 
 
@@ -17,34 +19,6 @@ def inputs(n: int, experts: int, seed: int = 0):
     idxs = [torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(TOKENS)]) for _ in range(n)]
     ws = [torch.rand(TOKENS, TOPK, generator=gen) for _ in range(n)]
     return xs, idxs, ws
-
-
-def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-    return x * (e + 1) + e
-
-
-def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The MoE layer in one process: each token through its top-k experts, weighted (-1: an unused slot)."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            e = int(idx[t, k])
-            if e >= 0:
-                out[t] += w[t, k] * expert(e, x[t])
-    return out
-
-
-def local_experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int,
-                  per: int) -> torch.Tensor:
-    """One rank's share after a high-throughput dispatch: each received token through its local experts,
-    weighted (recv_idx holds local expert ids, -1 for experts elsewhere)."""
-    y = torch.zeros_like(recv_x)
-    for i in range(recv_x.shape[0]):
-        for k in range(recv_idx.shape[1]):
-            le = int(recv_idx[i, k])
-            if le >= 0:
-                y[i] += recv_w[i, k] * expert(rank * per + le, recv_x[i])
-    return y
 
 
 def run_case(buffer_cls: Any, group: Any, rank: int, n: int, device: str = "cpu") -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import GC_FAULTS, PROFILES, SCENARIOS, STRATEGIES, render, run_matrix
+from sim.matrix import GC_FAULTS, PROFILES, SCENARIOS, STRATEGIES, render, render_deep_ep, run_deep_ep, run_matrix
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 
@@ -61,5 +61,44 @@ def test_rank_failure_is_liveness_everywhere(cells) -> None:
         {("liveness", "stuck")}
 
 
-def test_docs_results_is_current(cells) -> None:
-    assert DOC.read_text() == render(cells), "docs/results.md is stale: python -m sim.matrix > docs/results.md"
+@pytest.fixture(scope="module")
+def deep_cells():
+    return run_deep_ep()
+
+
+def deep(cells, backend, nvshmem, column):
+    return next(c.result for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem) and c.column.startswith(column))
+
+
+def test_vllm_flow_fails_on_stock_nvshmem_and_passes_on_the_elastic_patch(deep_cells) -> None:
+    # New low-latency buffers are made on the new group's first forward step, after the background cleanup destroyed
+    # the old ones: a finalized stock NVSHMEM reuses the old world (its size), the patched one starts a new one.
+    for scenario in ("scale-up", "scale-down", "elastic-cycle"):
+        stock = deep(deep_cells, "deepep_low_latency", "stock", scenario)
+        assert (stock.verdict, stock.invariant) == ("liveness", "collective_timeout"), stock.detail
+        assert "the old world was reused" in stock.detail
+        assert deep(deep_cells, "deepep_low_latency", "elastic", scenario).verdict == "pass"
+        mi355 = deep(deep_cells, "deepep_low_latency", "mi355", scenario)
+        assert mi355.verdict == "crash" and "NvshmemError" in mi355.detail
+
+
+def test_old_and_new_buffers_alive_together_fail_even_with_the_patch(deep_cells) -> None:
+    late = deep(deep_cells, "deepep_low_latency", "elastic", "scale-up, cleanup 5 s late")
+    assert (late.verdict, late.invariant) == ("liveness", "collective_timeout")
+    assert "a buffer of the old world is still alive" in late.detail
+
+
+def test_a_buffer_collected_on_one_rank_only_is_liveness_naming_that_rank(deep_cells) -> None:
+    r = deep(deep_cells, "deepep_high_throughput", "stock", "scale-up, explicitly_destroy=False")
+    assert (r.verdict, r.invariant) == ("liveness", "collective_timeout")
+    assert "finalizer Buffer.__del__" in r.detail and "destroy" in r.detail and "(pids [1])" in r.detail
+
+
+def test_intranode_high_throughput_scale_up_never_touches_nvshmem(deep_cells) -> None:
+    assert deep(deep_cells, "deepep_high_throughput", "stock", "scale-up").verdict == "pass"
+    assert deep(deep_cells, "deepep_high_throughput", "stock", "scale-up, cleanup 5 s late").verdict == "pass"
+
+
+def test_docs_results_is_current(cells, deep_cells) -> None:
+    assert DOC.read_text() == render(cells) + "\n" + render_deep_ep(deep_cells), \
+        "docs/results.md is stale: python -m sim.matrix > docs/results.md"

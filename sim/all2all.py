@@ -1,0 +1,134 @@
+"""vLLM's DeepEP all2all managers in the simulated workers: buffers made lazily per group, held and dropped as
+vLLM holds and drops them, and one MoE forward through them per serving chunk, checked against a reference.
+
+What vLLM does (reference ``deep_ep.md``, "vLLM managers" and "vLLM Elastic EP"), and what the worker does here:
+
+- a manager's ``Cache`` is a weak-value dictionary keyed by the buffer's arguments, the group among them, so a new
+  EP group means a new Buffer, made on first use (the first forward step on the new group);
+- strong references: each MoE layer's prepare-and-finalize object (here ``Worker.a2a_buffer``, dropped at the
+  switch) and, for low latency, the class attribute ``DeepEPLLAll2AllManager._buffer`` (here one per process,
+  replaced when the next LL buffer is made);
+- both managers pass ``explicitly_destroy=True``; ``destroy()`` destroys every buffer still in the cache; elastic EP
+  runs the retired groups' ``destroy()`` on a background thread after the switch, while the new group serves.
+
+The forward step uses its own small expert set (two experts per rank, ``HIDDEN`` channels, four tokens): the point
+is the collective calls and their order, not EPLB's experts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+HIDDEN = 128
+TOKENS = 4
+TOPK = 2
+MAX_TOKENS = 8  # num_max_dispatch_tokens_per_rank of the low-latency path
+EXPERTS_PER_RANK = 2
+
+
+def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of the check: an affine map that differs per expert, so a token sent to the wrong one shows."""
+    return x * (e + 1) + e
+
+
+def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The MoE layer in one process: each token through its top-k experts, weighted (-1: an unused slot)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0:
+                out[t] += w[t, k] * expert(e, x[t])
+    return out
+
+
+def local_experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int,
+                  per: int) -> torch.Tensor:
+    """One rank's share after a high-throughput dispatch: each received token through its local experts,
+    weighted (recv_idx holds local expert ids, -1 for experts elsewhere)."""
+    y = torch.zeros_like(recv_x)
+    for i in range(recv_x.shape[0]):
+        for k in range(recv_idx.shape[1]):
+            le = int(recv_idx[i, k])
+            if le >= 0:
+                y[i] += recv_w[i, k] * expert(rank * per + le, recv_x[i])
+    return y
+
+
+class DeepEPAll2AllManager:
+    """One group's manager (vLLM's ``DeepEP{HT,LL}All2AllManager``), in one simulated process."""
+
+    def __init__(self, group: Any, low_latency: bool, explicitly_destroy: bool, process: "ProcessState") -> None:
+        self.group, self.low_latency, self.explicitly_destroy = group, low_latency, explicitly_destroy
+        self.process = process
+        self.cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def _kwargs(self) -> dict[str, Any]:
+        import deep_ep
+
+        n = self.group.size()
+        experts = EXPERTS_PER_RANK * n
+        if self.low_latency:
+            hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, n, experts)
+            return {"group": self.group, "num_rdma_bytes": hint, "low_latency_mode": True,
+                    "num_qps_per_rank": EXPERTS_PER_RANK, "explicitly_destroy": self.explicitly_destroy}
+        return {"group": self.group, "num_nvl_bytes": 1 << 20, "explicitly_destroy": self.explicitly_destroy}
+
+    def get_handle(self) -> Any:
+        import deep_ep
+
+        kwargs = self._kwargs()
+        key = tuple(sorted((k, id(v) if k == "group" else v) for k, v in kwargs.items()))
+        buf = self.cache.get(key)
+        if buf is None:
+            buf = deep_ep.Buffer(**kwargs)
+            self.cache[key] = buf
+            if self.low_latency:
+                self.process.ll_buffer = buf  # the class attribute: the previous LL buffer loses this reference
+        return buf
+
+    def destroy(self) -> int:
+        """``destroy()`` of every buffer still in the cache (collective); the number destroyed."""
+        done = 0
+        for buf in list(self.cache.values()):
+            if buf.explicitly_destroy and buf.runtime is not None:
+                buf.destroy()
+                done += 1
+        return done
+
+
+class ProcessState:
+    """What vLLM keeps per process across managers: the LL class attribute ``_buffer``."""
+
+    def __init__(self) -> None:
+        self.ll_buffer: Any = None
+
+
+def forward(buf: Any, rank: int, n: int, gen: torch.Generator) -> str | None:
+    """One MoE layer's dispatch, local experts and combine through ``buf``; a description of the first wrong token,
+    or None when the result equals the single-process reference."""
+    experts = EXPERTS_PER_RANK * n
+    x = torch.randn(TOKENS, HIDDEN, generator=gen)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(TOKENS)])
+    w = torch.rand(TOKENS, TOPK, generator=gen)
+    if buf.low_latency_mode:
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
+        y = torch.zeros_like(recv_x)
+        for le in range(EXPERTS_PER_RANK):
+            c = int(count[le])
+            y[le, :c] = expert(rank * EXPERTS_PER_RANK + le, recv_x[le, :c])
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    else:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w)
+        combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, rank, EXPERTS_PER_RANK), handle)
+    want = reference(x, idx, w)
+    if torch.allclose(combined, want, rtol=1e-4, atol=1e-3):
+        return None
+    t = int((combined - want).abs().sum(dim=1).argmax())
+    return f"token {t}: combined {combined[t, :2].tolist()} != reference {want[t, :2].tolist()}"
