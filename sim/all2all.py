@@ -107,28 +107,36 @@ class ProcessState:
         self.ll_buffer: Any = None
 
 
-def forward(buf: Any, rank: int, n: int, gen: torch.Generator) -> str | None:
-    """One MoE layer's dispatch, local experts and combine through ``buf``; a description of the first wrong token,
-    or None when the result equals the single-process reference."""
+def forward(buf: Any, rank: int, n: int, gen: torch.Generator, *, extra_dispatch: bool = False,
+            stale_handle: Any = None) -> tuple[str | None, Any]:
+    """One MoE layer's dispatch, local experts and combine through ``buf``: (a description of the first wrong token,
+    or None when the result equals the single-process reference; the dispatch's handle).
+
+    Faults: ``extra_dispatch`` runs one more low-latency dispatch first on this rank alone (a dummy batch: its
+    double-buffer parity is then one ahead of its peers'); ``stale_handle`` is combined with instead of the new one
+    (a handle kept from before the EP size changed)."""
     experts = EXPERTS_PER_RANK * n
     x = torch.randn(TOKENS, HIDDEN, generator=gen)
     idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(TOKENS)])
     w = torch.rand(TOKENS, TOPK, generator=gen)
     if buf.low_latency_mode:
+        if extra_dispatch:
+            buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
         y = torch.zeros_like(recv_x)
         for le in range(EXPERTS_PER_RANK):
             c = int(count[le])
             y[le, :c] = expert(rank * EXPERTS_PER_RANK + le, recv_x[le, :c])
-        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle if stale_handle is None else stale_handle)
     else:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=idx, topk_weights=w)
-        combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, rank, EXPERTS_PER_RANK), handle)
+        combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, rank, EXPERTS_PER_RANK),
+                                     handle if stale_handle is None else stale_handle)
     want = reference(x, idx, w)
     if torch.allclose(combined, want, rtol=1e-4, atol=1e-3):
-        return None
+        return None, handle
     t = int((combined - want).abs().sum(dim=1).argmax())
-    return f"token {t}: combined {combined[t, :2].tolist()} != reference {want[t, :2].tolist()}"
+    return f"token {t}: combined {combined[t, :2].tolist()} != reference {want[t, :2].tolist()}", handle

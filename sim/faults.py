@@ -35,6 +35,10 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "peer.restart": ("a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
                      "memory registered again, no peers loaded); peers that kept the old entry must remove it "
                      "before loading the name again", frozenset()),
+    "all2all.parity_skew": ("a rank runs one extra low-latency dispatch on its own (a dummy batch), so its "
+                            "double-buffer parity runs one ahead of its peers' (DeepEP low latency)", frozenset()),
+    "all2all.stale_handle": ("a rank combines with the handle of its last dispatch from before the EP size changed, "
+                             "at its first forward on the new group (DeepEP)", frozenset()),
     "all2all.cleanup_late": ("the retired group's all2all buffers are destroyed delay_s later on the background "
                              "cleanup thread, while the new group already serves (DeepEP scenarios)",
                              frozenset({"delay_s"})),

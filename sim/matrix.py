@@ -28,6 +28,8 @@ DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
     ("scale-down", "scale-down", (), {}),
     ("elastic-cycle", "elastic-cycle", (), {}),
     ("scale-up, cleanup 5 s late", "scale-up", ("all2all.cleanup_late:delay_s=5",), {}),
+    ("scale-up, rank 1's LL parity skewed", "scale-up", ("all2all.parity_skew:rank=1,times=1",), {}),
+    ("scale-up, rank 0 combines with a stale handle", "scale-up", ("all2all.stale_handle:rank=0,times=1",), {}),
     ("scale-up, explicitly_destroy=False, rank 1's buffer never collected", "scale-up",
      ("gc.never:rank=1,what=buffer",), {"all2all.explicitly_destroy": False}),
 )
@@ -98,7 +100,18 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
     for backend, nvshmem in DEEPEP_ROWS:
         row = [c for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem)]
         out.append(f"| {backend} | {nvshmem} | " + " | ".join(c.short for c in row) + " |")
-    out += ["", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
+    out += ["", "What the cells say. Low latency runs over NVSHMEM: the new group's buffers are made after the "
+            "cleanup destroyed the old ones, so the count reaches zero first; stock NVSHMEM then reuses the old "
+            "world (its size), the elastic patch bootstraps a new one, and MI355's build refuses to initialise "
+            "again. A late cleanup leaves an old buffer alive, and the new buffer's init only bumps the old "
+            "world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its buffers have "
+            "no strong reference besides the MoE layer's: the survivors' old buffers are dropped at the switch "
+            "and leak (the cleanup finds an empty cache), while ranks leaving at a scale-down destroy theirs "
+            "collectively at exit and wait for peers that never come. That last cell follows the reference's "
+            "reading of vLLM's managers; it has not been seen on hardware. With `explicitly_destroy=False`, the "
+            "collector runs the collective destroy, so the rank whose buffer is never collected is the one the "
+            "others wait for.",
+            "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
     seen = set()
     for c in cells:
         r = c.result

@@ -8,6 +8,7 @@ the async EPLB daemon).  The communicator is the code under test; everything els
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ class Worker:
         # layer's strong reference to its buffer, and the per-process LL class attribute.
         self.a2a = self.prepared_a2a = self.a2a_buffer = None
         self.a2a_process = None
+        self.a2a_handle: tuple[Any, Any] | None = None  # (weak reference to the buffer, handle) of the last dispatch
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     def post(self, cmd: Command) -> Any:
@@ -112,10 +114,19 @@ class Worker:
         if self.a2a is not None:  # the chunk's first forward step: the first one on a new group makes its buffer
             from .all2all import forward
 
-            self.a2a_buffer = self.a2a.get_handle()
+            buf = self.a2a_buffer = self.a2a.get_handle()
             seed = derive_seed(self.kernel.seed, f"all2all@{self.pid}@{self.cluster.step}") % (1 << 63)
             gen = torch.Generator().manual_seed(seed)
-            problem = forward(self.a2a_buffer, self.group.rank(), self.group.size(), gen)
+            faults = self.cluster.faults
+            skew = buf.low_latency_mode and faults.take(
+                {"all2all.parity_skew": WORKER_SITES["all2all.parity_skew"]}, self.pid, "LL dispatch") is not None
+            stale = None
+            if self.a2a_handle is not None and self.a2a_handle[0]() is not buf and faults.take(
+                    {"all2all.stale_handle": WORKER_SITES["all2all.stale_handle"]}, self.pid, "handle") is not None:
+                stale = self.a2a_handle[1]
+            problem, handle = forward(buf, self.group.rank(), self.group.size(), gen, extra_dispatch=skew,
+                                      stale_handle=stale)
+            self.a2a_handle = (weakref.ref(buf), handle)  # DeepEP's handle is tensors: it keeps no buffer alive
             self.cluster.oracles.all2all_checked(self.pid, problem)
         self.kernel.sleep(steps * self.cluster.scenario.serving.step_time_s, "serving")
         self.load.record(loads, steps)

@@ -99,6 +99,17 @@ def test_intranode_high_throughput_scale_up_never_touches_nvshmem(deep_cells) ->
     assert deep(deep_cells, "deepep_high_throughput", "stock", "scale-up, cleanup 5 s late").verdict == "pass"
 
 
+def test_a_skewed_low_latency_parity_hangs_the_peers_waiting_for_that_rank(deep_cells) -> None:
+    r = deep(deep_cells, "deepep_low_latency", "elastic", "scale-up, rank 1's LL parity skewed")
+    assert (r.verdict, r.invariant) == ("liveness", "collective_timeout") and "(pids [1])" in r.detail
+
+
+def test_a_handle_from_before_the_ep_size_changed_is_refused(deep_cells) -> None:
+    for backend, nvshmem in (("deepep_low_latency", "elastic"), ("deepep_high_throughput", "stock")):
+        r = deep(deep_cells, backend, nvshmem, "scale-up, rank 0 combines with a stale handle")
+        assert r.verdict == "crash" and "handle from another buffer (EP size 2, this buffer 4)" in r.detail
+
+
 def test_docs_results_is_current(cells, deep_cells) -> None:
     assert DOC.read_text() == render(cells) + "\n" + render_deep_ep(deep_cells), \
         "docs/results.md is stale: python -m sim.matrix > docs/results.md"
