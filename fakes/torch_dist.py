@@ -100,6 +100,8 @@ class Rendezvous:
                 op.done.succeed(results)
         if not op.done.triggered:
             self.kernel.wait(self.kernel.env.any_of([op.done, op.deadline]), f"{kind} #{seq} on group {self.name}")
+            if not op.done.triggered and len(op.args) == len(self.pids):  # everyone came: only the latency is left
+                self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")
         ok = op.done.triggered
         results = op.done.value if ok else None
         if not ok:

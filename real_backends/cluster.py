@@ -82,12 +82,16 @@ class RankProcess:
         self.load = LoadWindow(cluster.scenario.model.layers, cluster.scenario.model.experts,
                                max(1, cluster.scenario.eplb.window))
         self.alive = True
+        self.killed = False  # by fail_rank
         self.pending: dict[int, Handle] = {}
         self.prepare: Handle | None = None
         # What the worker holds, as the commands posted to it imply: which drops a command makes.
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
         self.conn, self.proc = cluster.launcher.start(cfg)
+        # Events carry the rank host's monotonic clock; a torchrun slot on another host measured its offset at
+        # connect (to within the connection's latency).
+        self.clock_offset = float(getattr(self.proc, "info", {}).get("clock_offset", 0.0))
         self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
         self.reader.start()
 
@@ -95,7 +99,7 @@ class RankProcess:
         while True:
             try:
                 msg = self.conn.recv()
-            except (EOFError, OSError, TypeError, ValueError):  # closed: by the rank's exit, or by stop_all
+            except Exception:  # noqa: BLE001 - closed (the rank's exit, stop_all) or unreadable: the stream ends
                 break
             self.cluster.inbox.put((self.pid, msg))
         on_eof = getattr(self.proc, "on_eof", None)  # a torchrun slot is gone when its connection is
@@ -171,7 +175,7 @@ class RealCluster(Engine):
         w = self.workers.get(pid)
         if kind == "event":
             _, t, src, seq, what, fields = msg
-            self.events.append((t, src, seq, what, fields))
+            self.events.append((t + w.clock_offset, src, seq, what, fields))
         elif kind == "done":
             h = w.pending.pop(msg[1], None)
             if h is not None:
@@ -224,7 +228,9 @@ class RealCluster(Engine):
         while not all(h.event.is_set() for h in pending.values()):
             if self.crashed:
                 return False
-            dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].proc.is_alive()]
+            # `alive` turns False only once the rank's end-of-stream is handled, after everything it sent before
+            # it (a rank that answered and then exited is not dead to this command).
+            dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].alive]
             if dead or time.monotonic() > deadline:
                 late = [p for p, h in pending.items() if not h.event.is_set()]
                 why = f"pids {dead} exited" if dead else f"no answer within {self.timeout_s:g} s"
@@ -248,11 +254,13 @@ class RealCluster(Engine):
         w = self.workers[pid]
         w.proc.kill()
         w.proc.join(10)
-        w.alive = False
+        w.alive, w.killed = False, True
         self.record("process.kill", pid=pid, signal="SIGKILL")
 
     def end_process(self, pid: int) -> None:
         w = self.workers[pid]
+        if w.proc.is_alive() and not hasattr(w.proc, "on_eof"):
+            _half_close(w.conn)  # a rank whose exit command crashed waits for the next command: EOF ends it
         w.proc.join(self.timeout_s)
         if w.proc.is_alive():
             w.proc.kill()
@@ -266,7 +274,7 @@ class RealCluster(Engine):
     def shutdown(self) -> None:
         super().shutdown()
         for p in list(self.members):
-            if self.workers[p].alive or self.workers[p].proc.is_alive():
+            if not self.workers[p].killed:  # recorded for every rank, so the judge knows its agents are gone
                 self.end_process(p)
         self.completed = not self.crashed and not self.stuck
 
@@ -318,7 +326,11 @@ class RealCluster(Engine):
         """Every rank process ends: those still running get ``grace_s`` to finish, then SIGKILL; their last
         messages are collected."""
         for w in self.workers.values():
-            if w.proc.is_alive():
+            if not w.proc.is_alive():
+                continue
+            if hasattr(w.proc, "on_eof"):
+                w.proc.kill()  # a torchrun slot: told to end now (its connection is the only way to reach it)
+            else:
                 _half_close(w.conn)  # a rank waiting for a command reads EOF and exits the normal way
         deadline = time.monotonic() + grace_s
         for w in self.workers.values():
@@ -329,6 +341,7 @@ class RealCluster(Engine):
                 self.record("process.kill", pid=w.pid, signal="SIGKILL", why="still running at the end of the run")
         for w in self.workers.values():
             w.reader.join(5)
+            w.conn.close()
         self._pump(0.0)
         self._store = None
 

@@ -6,14 +6,15 @@ pair; everything binds to loopback.
 Under torchrun (``epsim run ... --backend real`` started once per slot with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), slot 0 runs the engine and listens on
 ``MASTER_ADDR:MASTER_PORT+1`` (``EPSIM_PORT`` overrides); every slot, slot 0's own included (a child process),
-connects and waits.  A rank the scenario starts takes the next waiting slot, on that slot's GPU (``LOCAL_RANK``);
-a slot serves one rank and then exits, as a process retired by a scale-down does.  Slots no rank needed are told
-so at the end.  Multi-host addresses are asked for by running under torchrun, so nothing here forces loopback.
+connects, passes a challenge on a random key that slot 0 put in the job's own store, and waits.  A rank the
+scenario starts takes the next waiting slot, on that slot's GPU (``LOCAL_RANK``); a slot serves one rank and then
+exits, as a process retired by a scale-down does.  Slots no rank needed are told so at the end.  Multi-host
+addresses are asked for by running under torchrun, so nothing here forces loopback.  A slot's events are put on
+slot 0's clock with the offset measured when it connected.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import socket
@@ -115,9 +116,26 @@ def _address() -> tuple[str, int]:
     return os.environ["MASTER_ADDR"], port
 
 
-def _authkey() -> bytes:
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ["MASTER_ADDR"] + os.environ["MASTER_PORT"]
-    return hashlib.sha256(f"epsim-{run}".encode()).digest()
+SECRET_KEY = "epsim/slot-secret"
+
+
+def _job_store():
+    """The job's own store (torchrun's, at MASTER_ADDR:MASTER_PORT): whoever can reach it is part of the job."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    wait_for_workers=False, timeout=datetime.timedelta(seconds=ACCEPT_TIMEOUT_S))
+
+
+def _authkey(create: bool = False) -> bytes:
+    """The key the slots' challenge uses: random, made by slot 0 and passed through the job's store (a key derived
+    from public values such as the run id would let anyone who can connect pass the challenge)."""
+    store = _job_store()
+    if create:
+        store.set(SECRET_KEY, os.urandom(32).hex())
+    return bytes.fromhex(store.get(SECRET_KEY).decode())
 
 
 class _Slot:
@@ -171,6 +189,7 @@ class TorchrunLauncher:
         if processes > self.world:
             raise ScenarioError(f"the scenario starts {processes} rank processes in all; torchrun started "
                                 f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank")
+        key = _authkey(create=True)
         self._listener = socket.create_server(_address())
         # Slot 0 is this process's job too: a child connects like every other slot.
         self._own = subprocess.Popen([sys.executable, "-m", "real_backends.launch"],
@@ -187,12 +206,14 @@ class TorchrunLauncher:
             sock.settimeout(None)
             conn = Connection(sock.detach())
             try:  # the shared key's challenge before anything is unpickled from the network
-                deliver_challenge(conn, _authkey())
-                answer_challenge(conn, _authkey())
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
             except Exception:  # noqa: BLE001 - not one of ours: drop it and go on waiting
                 conn.close()
                 continue
-            slots.append((conn, conn.recv()))
+            info = conn.recv()
+            info["clock_offset"] = time.monotonic() - info["clock"]
+            slots.append((conn, info))
         self._free = sorted(slots, key=lambda s: s[1]["rank"])
         hosts = {info["host"] for _, info in slots}
         if self.ranks_per_host is not None and scenario.peak_ranks() > self.ranks_per_host * len(hosts):
@@ -258,9 +279,11 @@ def serve_slot() -> int:
             time.sleep(0.2)
     sock.settimeout(None)
     conn = Connection(sock.detach())
-    answer_challenge(conn, _authkey())
-    deliver_challenge(conn, _authkey())
-    conn.send({"rank": rank, "local_rank": local, "host": socket.gethostname(), "os_pid": os.getpid()})
+    key = _authkey()
+    answer_challenge(conn, key)
+    deliver_challenge(conn, key)
+    conn.send({"rank": rank, "local_rank": local, "host": socket.gethostname(), "os_pid": os.getpid(),
+               "clock": time.monotonic()})
     try:
         msg = conn.recv()
     except (EOFError, OSError):

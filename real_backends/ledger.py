@@ -39,7 +39,6 @@ class LedgerAgent:
 
     def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
         self._name, self._conf, self._all = agent_name, nixl_conf, instantiate_all
-        self._lock = threading.Lock()
         self._registered: list[tuple[Any, Any]] = []  # (descs, mem type) still registered, for restart()
         self._dlists: dict[int, tuple[str, list[tuple[int, int]]]] = {}  # id(handle) -> (agent name, spans)
         self._xfers: dict[int, tuple[str, str, list[tuple[int, int]], list[tuple[int, int]]]] = {}
@@ -186,11 +185,12 @@ class LedgerAgent:
         if self._raced:
             return
         me = threading.current_thread().name
-        others = sorted({t for t in self._open.values() if t != me})
+        holders = list(self._open.values())  # a snapshot: the other thread may complete requests meanwhile
+        others = sorted({t for t in holders if t != me})
         if others:
             self._raced = True
             self._emit("agent.threads", conn=self.conn, agent=self._name, pid=self._pid, thread=me, others=others,
-                       open=sum(1 for t in self._open.values() if t != me))
+                       open=sum(1 for t in holders if t != me))
 
 
 def live_agents() -> list[LedgerAgent]:

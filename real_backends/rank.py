@@ -297,7 +297,6 @@ def rank_main(conn, cfg: RankConfig) -> None:
     except BaseException as exc:  # noqa: BLE001 - a rank that cannot start is reported, not a traceback
         report_crash(link, cfg.pid, f"setup@{cfg.pid}", exc)
         return
-    link.send("ready", cfg.pid)
     while True:
         try:
             msg = conn.recv()

@@ -223,7 +223,8 @@ def calibrate(
         cmp = report["comparison"]
         typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1)")
         for r in cmp["spans"]:
-            typer.echo(f"  {r['what']:12} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {r['error']:+.1%}")
+            error = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
+            typer.echo(f"  {r['what']:12} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {error}")
 
 
 @app.command()

@@ -7,11 +7,10 @@ plan and oracles.  The timeline itself (serving, rebalances, elastic events, hea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import Any
-
-import numpy as np
 
 import fakes
 from fakes import torch_dist
@@ -87,7 +86,7 @@ class Cluster(Engine):
     def _deep_ep(self):
         """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""
         if self.scenario.all2all.backend == "none":
-            return _no_deep_ep()
+            return contextlib.nullcontext()
         import fakes.deep_ep
 
         fakes.deep_ep.configure(self.kernel, self.scenario.all2all.nvshmem)
@@ -218,12 +217,6 @@ class Cluster(Engine):
             self.oracles.stuck(f"the engine did not finish: {engine!r}")
         if not self.oracles.problems:
             self.oracles.after_shutdown()
-
-
-def _no_deep_ep():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -16,8 +16,9 @@ from fakes.nixl._faults import SITES as NIXL_SITES
 
 from .errors import ScenarioError
 
-# Every GC site also takes ``what``: only drops whose description contains it (``what=buffer``: all2all buffers,
-# ``what=communicator``: EPLB communicators); without it, every drop.
+# Every GC site also takes ``what``: only drops whose description contains it (``what=buffer``: all2all buffers;
+# ``what=communicator``: the communicators dropped at commit, abort and exit, though not a prepared or aborted one
+# still held at exit, whose drops are named "prepared" and "aborted"); without it, every drop.
 GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "gc.late": ("a dropped communicator (or all2all buffer) is finalized delay_s later, on a thread of its own "
                 "process", frozenset({"delay_s", "what"})),

@@ -456,14 +456,18 @@ def _plain(value: Any) -> Any:
 
 
 def _merge(node: dict[str, Any], key_path: list[str], value: Any, shown: str) -> None:
-    """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping, anything else replaces.  A key
-    that is a number indexes a list (``timeline.0.to``)."""
+    """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping (a list's entries included),
+    anything else replaces.  A key that is a number indexes a list (``timeline.0.to``)."""
     for i, key in enumerate(key_path[:-1]):
         node = _child(node, key, key_path[:i + 1], shown)
     last, value = key_path[-1], _plain(value)
     if isinstance(node, list):
         index = _index(node, last, key_path, shown)
-        node[index] = value
+        if isinstance(value, dict) and isinstance(node[index], dict):
+            for k, v in value.items():
+                _merge(node[index], [k], v, shown)
+        else:
+            node[index] = value
         return
     if isinstance(value, dict) and isinstance(node.get(last), dict):
         for k, v in value.items():
@@ -474,7 +478,10 @@ def _merge(node: dict[str, Any], key_path: list[str], value: Any, shown: str) ->
 
 def _index(node: list, key: str, path: list[str], shown: str) -> int:
     if not key.isdigit() or int(key) >= len(node):
-        raise ScenarioError(f"override {shown}: {'.'.join(path)}: {'.'.join(path[:-1])} has {len(node)} entries, "
+        where = ".".join(path[:-1])
+        if not node:
+            raise ScenarioError(f"override {shown}: {where} is empty; set it whole ({where}=[...])")
+        raise ScenarioError(f"override {shown}: {'.'.join(path)}: {where} has {len(node)} entries, "
                             f"index them 0..{len(node) - 1}")
     return int(key)
 

@@ -145,7 +145,8 @@ class Buffer:
                                    "buffer above 8 ranks while another one is alive)")
             owners[self._pid] = weakref.ref(self)
         if effective != self.group_size:
-            # The old world was reused: nvshmem_align is collective over it, and the new group's ranks never meet.
+            # The old world is in effect (still alive, or reused after finalize): nvshmem_align is collective over it,
+            # and the new group's ranks never meet.
             why = ("a buffer of the old world is still alive: the second init only bumped its count and ignored the "
                    "new size" if world.init_count > 1 else
                    "the old world was reused: stock NVSHMEM does not reset its bootstrap on finalize")
