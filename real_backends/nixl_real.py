@@ -35,6 +35,24 @@ def import_real_nixl() -> tuple[Any, Any, str]:
     raise NixlUnavailable("real NIXL cannot be imported (pip install 'epsim[real]'); tried " + "; ".join(errors))
 
 
+def require_real(device: str) -> None:
+    """What every real-backend command needs first, as one-line errors: a known device, the real NIXL, and a GPU
+    for ``cuda``."""
+    from sim.errors import BackendUnavailable, ScenarioError
+
+    if device not in ("cpu", "cuda"):
+        raise ScenarioError(f"--device {device!r}: use cpu or cuda")
+    try:
+        import_real_nixl()
+    except NixlUnavailable as exc:
+        raise BackendUnavailable(str(exc)) from None
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("--device cuda needs a CUDA GPU; none is visible here")
+
+
 class RealBackend(Backend):
     name = "real"
 

@@ -12,6 +12,7 @@ from sim.run import Result, signature
 
 from .cluster import RealCluster
 from .launch import LocalLauncher
+from .nixl_real import require_real
 from .judge import judge
 
 
@@ -27,13 +28,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
     if launcher is None:
         launcher = LocalLauncher(ranks_per_host)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            from sim.errors import ScenarioError
-
-            raise ScenarioError("--device cuda needs a CUDA GPU; none is visible here")
+    require_real(device)
     started = time.perf_counter()
     cluster = RealCluster(scenario, seed=seed, strategy=strategy, faults=armed, device=device,
                           timeout_s=timeout_s, on_progress=on_progress, launcher=launcher)

@@ -120,17 +120,10 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
-    from real_backends.nixl_real import NixlUnavailable, import_real_nixl
+    from real_backends.nixl_real import require_real
     from real_backends.validate import run_validation
 
-    from .errors import BackendUnavailable
-
-    if device not in ("cpu", "cuda"):
-        raise EpsimError(f"--device {device!r}: use cpu or cuda")
-    try:
-        import_real_nixl()
-    except NixlUnavailable as exc:
-        raise BackendUnavailable(str(exc)) from None
+    require_real(device)
 
     def progress(name: str, row) -> None:
         if row is None:
@@ -188,21 +181,9 @@ def calibrate(
     from pathlib import Path
 
     from real_backends import calibrate as cal
-    from real_backends.nixl_real import NixlUnavailable, import_real_nixl
+    from real_backends.nixl_real import require_real
 
-    from .errors import BackendUnavailable
-
-    if device not in ("cpu", "cuda"):
-        raise EpsimError(f"--device {device!r}: use cpu or cuda")
-    try:
-        import_real_nixl()
-    except NixlUnavailable as exc:
-        raise BackendUnavailable(str(exc)) from None
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BackendUnavailable("--device cuda needs a CUDA GPU; none is visible here")
+    require_real(device)
     calibration = cal.measure(device)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,16 +27,6 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
             raise ScenarioError("--profile picks a fake NIXL's behaviour; the real backend is the library itself")
         if check_determinism:
             raise ScenarioError("--check-determinism compares simulated runs; a real run's timing is the host's")
-        if device not in ("cpu", "cuda"):
-            raise ScenarioError(f"--device {device!r}: use cpu or cuda")
-        from real_backends.nixl_real import NixlUnavailable, import_real_nixl
-
-        from .errors import BackendUnavailable
-
-        try:
-            import_real_nixl()
-        except NixlUnavailable as exc:
-            raise BackendUnavailable(str(exc)) from None
         from real_backends.launch import TorchrunLauncher, under_torchrun
         from real_backends.run import run_real
 
