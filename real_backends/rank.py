@@ -79,6 +79,7 @@ class RealWorker:
         import torch
 
         from sim import scenario as scenario_mod
+        from sim.eplb import move
         from sim.eplb.communicators import plugins
         from sim.eplb.state import LoadWindow, fill_weights
 
@@ -105,7 +106,7 @@ class RealWorker:
         self.async_thread: threading.Thread | None = None
         self.step = 0
         self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
-        self._views: dict[tuple[int, int], tuple[list, list]] = {}
+        self._rows = move.RowViews()
         self._rearrange_started = 0.0
 
     def history(self, kind: str, **fields: Any) -> None:
@@ -173,13 +174,6 @@ class RealWorker:
             problems = check_weights(self.weights, new, new_rank)
             self.history("eplb.checked", problems=problems[:1], count=len(problems))
         self.history("eplb.rearranged", moved_layers=old.num_layers)
-
-    def _rows(self, tensors, row: int) -> list:
-        key = (id(tensors), row)
-        views = self._views.get(key)
-        if views is None or views[0] is not tensors:
-            views = self._views[key] = (tensors, [t[row] for t in tensors])
-        return list(views[1])
 
     def do_prepare(self, group, prepare_s: float, storage_move: bool = False, peer_restart: bool = False) -> str:
         if self.aborted is not None:

@@ -22,10 +22,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
              ranks_per_host: int | None = None) -> Result:
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
-    armed = [fault_catalogue.validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
-                                               **({"times": f.times} if f.times else {})})
-             for f in scenario.faults]
-    armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
+    armed = fault_catalogue.arm(scenario.faults, faults)
     if launcher is None:
         launcher = LocalLauncher(ranks_per_host)
     require_real(device)

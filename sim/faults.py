@@ -112,6 +112,14 @@ def _value(raw: str) -> Any:
     return raw
 
 
+def arm(specs, extra=()) -> list[Armed]:
+    """A run's armed faults: the scenario's fault specs (``FaultSpec``), then ``extra`` (``SITE:k=v`` strings from
+    the command line, or ``Armed``), every one validated."""
+    armed = [validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
+                               **({"times": f.times} if f.times else {})}) for f in specs]
+    return armed + [f if isinstance(f, Armed) else parse(f) for f in extra]
+
+
 class FaultPlan:
     """The faults of one run: arms NIXL sites on the fabric at their step, answers GC sites when asked."""
 

@@ -35,6 +35,11 @@ DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
 )
 
 
+def short(r: Result) -> str:
+    """A matrix cell's text: ``pass``, or the verdict and the invariant that broke first."""
+    return "pass" if r.verdict == "pass" else f"{r.verdict}: {r.invariant}"
+
+
 @dataclass(frozen=True)
 class Cell:
     scenario: str
@@ -45,8 +50,7 @@ class Cell:
 
     @property
     def short(self) -> str:
-        r = self.result
-        return "pass" if r.verdict == "pass" else f"{r.verdict}: {r.invariant}"
+        return short(self.result)
 
 
 def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, faults=GC_FAULTS) -> list[Cell]:
@@ -71,8 +75,7 @@ class DeepEPCell:
 
     @property
     def short(self) -> str:
-        r = self.result
-        return "pass" if r.verdict == "pass" else f"{r.verdict}: {r.invariant}"
+        return short(self.result)
 
 
 def run_deep_ep() -> list[DeepEPCell]:

@@ -51,10 +51,7 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
 
     if profile not in PROFILES:
         raise ScenarioError(f"profile {profile!r} not found; known: {', '.join(PROFILES)}")
-    armed = [fault_catalogue.validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
-                                               **({"times": f.times} if f.times else {})})
-             for f in scenario.faults]
-    armed += [f if isinstance(f, fault_catalogue.Armed) else fault_catalogue.parse(f) for f in faults]
+    armed = fault_catalogue.arm(scenario.faults, faults)
     started = time.perf_counter()
     cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
                       calibration=calibration)

@@ -50,7 +50,7 @@ class Worker:
         self.prepared: tuple[Any, Any] | None = None  # (communicator, group)
         self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
         self.load = LoadWindow(sc.model.layers, sc.model.experts, max(1, sc.eplb.window))
-        self._views: dict[tuple[int, int], tuple[list, list]] = {}  # (id(tensor list), row) -> (that list, views)
+        self._rows = move.RowViews()
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
@@ -169,16 +169,6 @@ class Worker:
             problems = check_weights(self.weights, new, new_rank)
             self.cluster.oracles.weights_checked(self.pid, problems)
         self.history("eplb.rearranged", moved_layers=old.num_layers)
-
-    def _rows(self, tensors: list[torch.Tensor], row: int) -> list[torch.Tensor]:
-        """``[t[row] for t in tensors]``: the per-expert views vLLM passes to add_send/add_recv.  Storage never
-        moves under a list of tensors (a moved buffer is a new list), so the views are made once per row; the
-        communicator gets a list of its own."""
-        key = (id(tensors), row)
-        views = self._views.get(key)
-        if views is None or views[0] is not tensors:
-            views = self._views[key] = (tensors, [t[row] for t in tensors])
-        return list(views[1])
 
     def do_prepare(self, group, prepare_s: float) -> Any:
         """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one."""

@@ -278,6 +278,22 @@ def rearrange_in_memory(old: Placement, new: Placement, weights, rank_mapping: R
             move_from_buffer(weights[c][layer], buffers[c], plan)
 
 
+class RowViews:
+    """``rows(tensors, row)`` is ``[t[row] for t in tensors]``: the per-expert views vLLM passes to add_send and
+    add_recv.  Storage never moves under a list of tensors (a moved buffer is a new list), so the views are made once
+    per (list, row); each caller gets a list of its own."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int], tuple[list, list]] = {}  # (id(tensor list), row) -> (that list, views)
+
+    def __call__(self, tensors: list, row: int) -> list:
+        key = (id(tensors), row)
+        views = self._views.get(key)
+        if views is None or views[0] is not tensors:
+            views = self._views[key] = (tensors, [t[row] for t in tensors])
+        return list(views[1])
+
+
 def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows) -> None:
     """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
     local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
