@@ -78,10 +78,16 @@ class Cluster(Engine):
         self.kernel.sleep(wait, "polling a NIXL transfer")
 
     def _on_fabric(self, kind: str, fields: dict[str, Any]) -> None:
+        name = _XFER_KINDS.get(kind)
+        if name is not None:  # half of all events: straight to the oracle and the history
+            if kind == "xfer.done":
+                self.oracles.transfer_done(fields)
+            self.kernel.history.add(name, xfer_record(fields))
+            return
         self.oracles.on_fabric(kind, fields)
         entry = fabric_record(kind, fields)
         if entry is not None:
-            self.kernel.history.record(entry[0], **entry[1])
+            self.kernel.history.add(*entry)
 
     def _deep_ep(self):
         """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""
@@ -226,12 +232,17 @@ def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any
         return None
     name = _XFER_KINDS.get(kind)
     if name is not None:  # half the events of a run: their fields are known
-        return name, {"agent": fields["agent"], "pid": fields["pid"], "peer": fields["peer"], "op": fields["op"],
-                      "nbytes": fields["nbytes"]}
+        return name, xfer_record(fields)
     plain = {k: fields[k] for k in _HISTORY_FIELDS if k in fields}
     if "ranges" in fields:
         plain["regions"] = len(fields["ranges"])
     return f"nixl.{kind}", plain
+
+
+def xfer_record(fields: dict[str, Any]) -> dict[str, Any]:
+    """The history fields of a transfer's post or completion."""
+    return {"agent": fields["agent"], "pid": fields["pid"], "peer": fields["peer"], "op": fields["op"],
+            "nbytes": fields["nbytes"]}
 
 
 def _frozen(mapping) -> Any:

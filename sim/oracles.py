@@ -73,7 +73,7 @@ class Oracles:
     # -- the fabric's events ----------------------------------------------------------------------------------
     def on_fabric(self, kind: str, f: dict[str, Any]) -> None:
         if kind == "xfer.done":  # half of all events, and the other half (xfer.post) needs nothing here
-            self._check_transfer(f)
+            self.transfer_done(f)
             return
         if kind == "xfer.post":
             return
@@ -120,21 +120,25 @@ class Oracles:
                                         other=self.agent_name.get(other, "?"), same_agent=other == conn)
                     break
 
-    def _check_transfer(self, f: dict[str, Any]) -> None:
+    def transfer_done(self, f: dict[str, Any]) -> None:
+        """A transfer moved its bytes: both sides must be registered with their agents at this moment."""
         self.metrics["transfers"] += 1
         self.metrics["bytes_moved"] += f["nbytes"]
         for side, conn, spans in (("local", f["conn"], f["local"]), ("remote", f["target"], f["remote"])):
             index = self.live.get(conn)
-            for lo, n in spans:
-                if index is None or index.find(0, lo, n) is None:
-                    src = f["target"] if f["op"] == "READ" else f["conn"]
-                    who = self.agent_name.get(conn, conn)
-                    state = "destroyed" if conn in self.destroyed else "live"
-                    self._problem("safety", "unregistered_access",
-                                  f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {n} B "
-                                  f"{'from' if conn == src else 'into'} {side} memory of {who} ({state}) that was "
-                                  "not registered at that moment")
-                    return
+            if index is None:
+                missing = spans[0] if spans else None
+            else:
+                missing = index.first_uncovered(0, spans)
+            if missing is not None:
+                src = f["target"] if f["op"] == "READ" else f["conn"]
+                who = self.agent_name.get(conn, conn)
+                state = "destroyed" if conn in self.destroyed else "live"
+                self._problem("safety", "unregistered_access",
+                              f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {missing[1]} B "
+                              f"{'from' if conn == src else 'into'} {side} memory of {who} ({state}) that was "
+                              "not registered at that moment")
+                return
 
     # -- checks the harness asks for ----------------------------------------------------------------------------
     def weights_checked(self, pid: int, problems: list[str]) -> None:

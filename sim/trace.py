@@ -52,6 +52,12 @@ class History:
         if not self.closed:
             self.records.append(self._now(), kind, fields)
 
+    def add(self, kind: str, fields: dict[str, Any]) -> None:
+        """:meth:`record` with the fields as a dict the history now owns (no keyword repacking: two records per
+        transfer)."""
+        if not self.closed:
+            self.records.append(self._now(), kind, fields)
+
     def __len__(self) -> int:
         return len(self.records)
 

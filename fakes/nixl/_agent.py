@@ -97,11 +97,12 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         """Start of every call: let the fabric make progress (complete transfers, deliver notifications), and note
         a call from one thread while another holds open transfer requests on this agent."""
         fabric = self.fabric
-        fabric.progress()
+        if fabric._pending or fabric._clock is None:  # (progress() would return at once: spare the call)
+            fabric.progress()
         owners = self.req_owners
         if owners and fabric.thread_of is not None and not self.config.syncMode:  # NONE: no locking inside
             me = fabric.thread_of()
-            if me not in owners or len(owners) > 1:
+            if len(owners) > 1 or me not in owners:
                 others = sorted(getattr(t, "name", str(t)) for t in owners if t is not me)
                 fabric.emit("agent.threads", agent=self.name, pid=self.pid, conn=self.conn,
                             thread=getattr(me, "name", str(me)), others=others,

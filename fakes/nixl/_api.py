@@ -30,6 +30,12 @@ def _torch_tensor(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _tensor_class() -> type | None:
+    """``torch.Tensor`` if the caller has imported torch (exact-type checks on the transfer path), else None."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
+
+
 class _Handle:
     __slots__ = ("_handle", "_agent", "_released")
     _release_call = ""
@@ -103,6 +109,7 @@ _MEMS = {
     "OBJ": nixlBind.OBJ_SEG, "cpu": nixlBind.DRAM_SEG, "cuda": nixlBind.VRAM_SEG,
 }
 _OPS = {"READ": nixlBind.NIXL_READ, "WRITE": nixlBind.NIXL_WRITE}
+_STATES = {nixlBind.NIXL_SUCCESS: "DONE", nixlBind.NIXL_IN_PROG: "PROC"}  # any other status reads "ERR"
 
 
 class nixl_agent:
@@ -163,7 +170,7 @@ class nixl_agent:
         self.backend_options[backend], self.backend_mems[backend] = self.agent.getBackendParams(handle)
 
     def _handles(self, backends: list[str]) -> list[int]:
-        return [self.backends[b] for b in backends]
+        return [self.backends[b] for b in backends] if backends else []
 
     # -- memory ---------------------------------------------------------------------------------------------
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None, backends: list[str] = []):  # noqa: B006
@@ -221,15 +228,13 @@ class nixl_agent:
 
     @staticmethod
     def _state(status: Any) -> str:
-        if status == nixlBind.NIXL_SUCCESS:
-            return "DONE"
-        return "PROC" if status == nixlBind.NIXL_IN_PROG else "ERR"
+        return _STATES.get(status, "ERR")
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
-        return self._state(self.agent.postXferReq(handle._handle, notif_msg))
+        return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
-        return self._state(self.agent.getXferStatus(handle._handle))
+        return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle):
         return self.agent.getXferTelemetry(handle._handle)
@@ -359,6 +364,18 @@ class nixl_agent:
         return None
 
     def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None):
+        # Every READ of EPLB passes a list of tensors, then a list of (addr, len, dev) tuples: those two take a
+        # short way to the answer the general path below gives them.
+        if type(descs) is nixlBind.nixlXferDList:
+            return descs
+        if type(descs) is list and descs:
+            first = type(descs[0])
+            if first is tuple and mem_type is not None and len(descs[0]) == 3:
+                return nixlBind.nixlXferDList(self.nixl_mems[mem_type], descs)
+            if first is _tensor_class():
+                found = self._tensor_rows(descs)
+                return None if found is None else nixlBind.nixlXferDList._of_triples(self.nixl_mems[found[0]],
+                                                                                      found[1])
         return self._descs(descs, mem_type, nixlBind.nixlXferDList, 3, nixlBind.nixlRegDList,
                            "RegList type detected for transfer, please use XferList")
 

@@ -123,13 +123,16 @@ class FakeFabric:
 
     def progress(self) -> None:
         """Run everything that is due.  Every agent call starts here (NIXL's progress thread, made explicit)."""
-        if self._clock is None:
+        clock, pending = self._clock, self._pending
+        if clock is None:
             self._tick += 1
-        elif not self._pending:
+            now = float(self._tick)
+        elif not pending:
             return
-        now = self.now()
-        while self._pending and self._pending[0][0] <= now:
-            _, _, action = heapq.heappop(self._pending)
+        else:
+            now = clock()
+        while pending and pending[0][0] <= now:
+            _, _, action = heapq.heappop(pending)
             action()
 
     # -- who is calling -------------------------------------------------------------------------------------
@@ -167,6 +170,16 @@ class FakeFabric:
     def alive(self, pid: int) -> bool:
         proc = self.processes.get(pid)
         return proc is None or proc.alive
+
+    def live_agent(self, conn: str | None) -> AgentCore | None:
+        """The agent behind connection ``conn`` if it exists and its process is alive (asked twice per transfer:
+        reads the weak dictionary's references directly instead of through its Python-level ``get``)."""
+        ref = self.conns.data.get(conn)
+        core = ref() if ref is not None else None
+        if core is None:
+            return None
+        proc = self.processes.get(core.pid)
+        return core if proc is None or proc.alive else None
 
     # -- memory ---------------------------------------------------------------------------------------------
     def free(self, addr: int, length: int) -> None:

@@ -89,12 +89,7 @@ class PeersMixin:
     # -- reachability -----------------------------------------------------------------------------------------
     def _target(self, peer: Peer):
         """The live agent behind ``peer``, or None if it is gone (destroyed, killed, or its endpoint failed)."""
-        if peer.failed:
-            return None
-        core = self.fabric.conns.get(peer.conn)
-        if core is None or not self.fabric.alive(core.pid):
-            return None
-        return core
+        return None if peer.failed else self.fabric.live_agent(peer.conn)
 
     def _fail_endpoint(self, peer: Peer, why: str) -> None:
         peer.failed = True

@@ -13,6 +13,7 @@ from bisect import bisect_right
 from collections import Counter
 from typing import Any, Hashable, Iterable
 
+_MISSING = object()
 
 class SpanIndex:
     def __init__(self) -> None:
@@ -21,6 +22,7 @@ class SpanIndex:
         self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
         # Answers since the last change: EPLB asks about the same few hundred ranges layer after layer.
         self._answers: dict[tuple[Hashable, int, int], Any] = {}
+        self._flat_answers: dict[tuple[int, int, int, int], Any] = {}  # (mem, dev, start, length): find_each's
 
     def add(self, key: Hashable, start: int, length: int, payload: Any) -> None:
         self._items.append((key, start, start + length, payload))
@@ -30,6 +32,7 @@ class SpanIndex:
     def _changed(self) -> None:
         self._groups = None
         self._answers.clear()
+        self._flat_answers.clear()
 
     def remove(self, payload: Any) -> bool:
         """Remove one entry whose payload equals ``payload``; False if there is none."""
@@ -50,6 +53,12 @@ class SpanIndex:
 
     def __contains__(self, payload: Any) -> bool:
         return payload in self._count
+
+    @property
+    def members(self) -> Counter:
+        """The payloads present, for membership tests in a loop (``x in index.members`` is one C-level lookup;
+        read-only: change the index through :meth:`add` and :meth:`remove`)."""
+        return self._count
 
     def __len__(self) -> int:
         return len(self._items)
@@ -83,6 +92,32 @@ class SpanIndex:
                 found = self._answers[query] = self._find(key, start, length, None)
                 return found
         return self._find(key, start, length, skip)
+
+    def find_each(self, mem: int, triples: Iterable[tuple[int, int, int]], skip=None) -> list[Any]:
+        """``[find((mem, dev), addr, length, skip) for addr, length, dev in triples]`` in one call (a prepared
+        descriptor list looks up every descriptor)."""
+        if skip is not None:
+            return [self._find((mem, dev), addr, length, skip) for addr, length, dev in triples]
+        answers, found = self._flat_answers, []  # keyed flat: one small tuple per descriptor, not two
+        for addr, length, dev in triples:
+            query = (mem, dev, addr, length)
+            payload = answers.get(query, _MISSING)
+            if payload is _MISSING:
+                payload = answers[query] = self._find((mem, dev), addr, length, None)
+            found.append(payload)
+        return found
+
+    def first_uncovered(self, key: Hashable, spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
+        """The first ``(start, length)`` of ``spans`` that no range under ``key`` covers; None if all are covered."""
+        answers = self._answers
+        for start, length in spans:
+            query = (key, start, length)
+            payload = answers.get(query, _MISSING)
+            if payload is _MISSING:
+                payload = answers[query] = self._find(key, start, length, None)
+            if payload is None:
+                return start, length
+        return None
 
     def _find(self, key: Hashable, start: int, length: int, skip) -> Any:
         groups = self._groups if self._groups is not None else self._build()

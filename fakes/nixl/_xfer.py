@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _status as S
+from ._dlist import nixlXferDList
 from ._faults import STATUS_BY_NAME
 from ._memory import Region
 
@@ -22,7 +23,7 @@ NEW, PROC, DONE, ERR, CANCELED = "NEW", "PROC", "DONE", "ERR", "CANCELED"
 _OPS = {0: "READ", 1: "WRITE"}
 
 
-@dataclass
+@dataclass(slots=True)
 class PreppedDlist:
     handle: int
     side: str  # "local", "remote" (a peer) or "loopback"
@@ -33,7 +34,7 @@ class PreppedDlist:
     regions: list[Region]
 
 
-@dataclass
+@dataclass(slots=True)
 class XferReq:
     handle: int
     op: str
@@ -56,7 +57,7 @@ class XferReq:
     owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(n for _, _, n in self.pairs)  # the descriptors never change after the request is made
+        self.nbytes = sum([p[2] for p in self.pairs])  # the descriptors never change after the request is made
 
 
 # What a released request handle resolves to: every use of it is refused (or crashes) before its content is read.
@@ -74,7 +75,7 @@ class nixlXferTelemetry:
 
 def _handle_value(fabric) -> int:
     # Real handles are heap pointers; the fake's look alike but are deterministic.
-    return 0x7F00_0000_0000 + fabric.new_id() * 0x40
+    return 0x7F00_0000_0000 + next(fabric._ids) * 0x40
 
 
 def _indices(values: Any) -> list[int]:
@@ -105,6 +106,17 @@ class XferMixin:
             S.fail(S.NOT_FOUND, f"{call}: metadata for remote agent '{agent_name}' not found")
         return "remote", peer, peer.covers
 
+    def _regions_of(self, agent_name: str, mem: int, triples: list[tuple[int, int, int]], call: str):
+        """(side, peer, the Region covering each descriptor, None where nothing does) of a descriptor list
+        prepared towards ``agent_name``: our own registrations for NIXL_INIT_AGENT, else as :meth:`_remote_side`
+        looks them up."""
+        if agent_name in ("", S.NIXL_INIT_AGENT):
+            return "local", None, self.region_index.find_each(mem, triples)
+        side, peer, _ = self._remote_side(agent_name, call)
+        if peer is None:  # loopback
+            return side, None, self.region_index.find_each(mem, triples, self.loopback_hidden or None)
+        return side, peer, peer.table.index.find_each(mem, triples)
+
     def _no_registration(self, call: str) -> None:
         S.fail(S.NOT_FOUND, f"{call}: no specified or potential backend had the required registrations to be able "
                             "to do the transfer")
@@ -112,22 +124,18 @@ class XferMixin:
     # -- preparation ----------------------------------------------------------------------------------------
     def prepXferDlist(self, agent_name: str, descs: Any, *rest: Any) -> int:
         self._enter()
-        if isinstance(descs, S.nixl_mem_t):  # strided overload: (name, mem, Nx5 array, backends)
+        if type(descs) is nixlXferDList:  # every EPLB READ, twice
+            triples, mem = list(descs._descs), int(descs._type)
+        elif isinstance(descs, S.nixl_mem_t):  # strided overload: (name, mem, Nx5 array, backends)
             mem, rows = int(descs), rest[0]
             triples = [(int(a) + i * int(st), int(n), int(d)) for a, n, d, st, c in rows.tolist() for i in range(int(c))]
         else:
             triples = self._xfer_triples(descs, "prepXferDlist")
             mem = int(descs.getType())
-        if agent_name in ("", S.NIXL_INIT_AGENT):
-            side, peer, lookup = "local", None, self._local_region
-        else:
-            side, peer, lookup = self._remote_side(agent_name, "prepXferDlist")
-        regions = []
-        for addr, length, dev in triples:
-            region = lookup(mem, addr, length, dev)
+        side, peer, regions = self._regions_of(agent_name, mem, triples, "prepXferDlist")
+        for region in regions:
             if region is None:
                 self._no_registration("prepXferDlist")
-            regions.append(region)
         handle = _handle_value(self.fabric)
         self.dlists[handle] = PreppedDlist(handle, side, None if side == "local" else agent_name,
                                            peer.generation if peer else None, mem, triples, regions)
@@ -149,17 +157,18 @@ class XferMixin:
         li, ri = _indices(local_idx), _indices(remote_idx)
         if not li or len(li) != len(ri):
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
-        for i, j in zip(li, ri):
-            if not (0 <= i < len(local.triples)) or not (0 <= j < len(remote.triples)):
-                S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
+        lt, rt = local.triples, remote.triples
+        if min(li) < 0 or max(li) >= len(lt) or min(ri) < 0 or max(ri) >= len(rt):
+            S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
         pairs, lregs, rregs = [], [], []
+        local_regions, remote_regions = local.regions, remote.regions
         for k, (i, j) in enumerate(zip(li, ri)):
-            (la, ln, _), (ra, rn, _) = local.triples[i], remote.triples[j]
+            (la, ln, _), (ra, rn, _) = lt[i], rt[j]
             if ln != rn:
                 S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
             pairs.append((la, ra, ln))
-            lregs.append(local.regions[i])
-            rregs.append(remote.regions[j])
+            lregs.append(local_regions[i])
+            rregs.append(remote_regions[j])
         peer = remote.peer if remote.side == "remote" else self.name
         return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
 
@@ -184,13 +193,17 @@ class XferMixin:
         return self._new_req(op, remote_agent, peer.generation if peer else None, pairs, lregs, rregs, notif)
 
     def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:
-        handle = _handle_value(self.fabric)
-        msg = notif.encode() if isinstance(notif, str) else bytes(notif)
-        req = self.xfers[handle] = XferReq(handle, _OPS[int(op)], peer, generation, pairs, lregs, rregs, msg)
-        if self.fabric.thread_of is not None:
-            req.owner = self.fabric.thread_of()
-            if req.owner is not None:
-                self.req_owners[req.owner] = self.req_owners.get(req.owner, 0) + 1
+        fabric = self.fabric
+        handle = _handle_value(fabric)
+        msg = notif if type(notif) is bytes else notif.encode() if isinstance(notif, str) else bytes(notif)
+        req = self.xfers[handle] = XferReq(handle, _OPS.get(op) or _OPS[int(op)], peer, generation, pairs, lregs,
+                                           rregs, msg)
+        thread_of = fabric.thread_of
+        if thread_of is not None:
+            owner = req.owner = thread_of()
+            if owner is not None:
+                owners = self.req_owners
+                owners[owner] = owners.get(owner, 0) + 1
         return handle
 
     # -- posting and progress -------------------------------------------------------------------------------
@@ -224,6 +237,17 @@ class XferMixin:
             if target is None:
                 return S.REMOTE_DISCONNECT, f"remote agent '{req.peer}' is disconnected"
         freed = fabric.has_freed()
+        must_be_live = profile.unregistered_access == "fail"
+        if not freed and not profile.detect_recycled:  # what every transfer of a healthy run takes: no memory freed
+            if not must_be_live:
+                return None
+            remote_live, local_live = target.region_index.members, self.region_index.members
+            for lreg, rreg in zip(req.local_regions, req.remote_regions):
+                if rreg not in remote_live:
+                    return S.REMOTE_DISCONNECT, "remote key no longer valid (deregistered): endpoint failed"
+                if lreg not in local_live:
+                    return S.BACKEND, "local key no longer valid (deregistered)"
+            return None
         for (la, ra, n), lreg, rreg in zip(req.pairs, req.local_regions, req.remote_regions):
             if freed and fabric.is_freed(ra, n):
                 return S.REMOTE_DISCONNECT, "remote memory was unmapped: UCX I/O error failed the endpoint"
@@ -235,7 +259,7 @@ class XferMixin:
             if profile.detect_recycled and not live_remote and any(
                     r.addr == rreg.addr and r.length != rreg.length for r in target.regions):
                 return S.NOT_FOUND, "remote address was recycled with a different extent"
-            if profile.unregistered_access == "fail":
+            if must_be_live:
                 if not live_remote:
                     return S.REMOTE_DISCONNECT, "remote key no longer valid (deregistered): endpoint failed"
                 if lreg not in self.region_index:
@@ -255,9 +279,10 @@ class XferMixin:
         if notif:
             req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (row 19)
         faults = self.fabric.faults
+        armed = bool(faults.armed)  # the common case: nothing to ask the fault board (four sites per post)
         peer = self.peers.get(req.peer)
-        if peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
-                                                                  nth="after_posts"):
+        if armed and peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
+                                                                          nth="after_posts"):
             self._fail_endpoint(peer, "injected fault peer.disconnect")
         problem = self._access_error(req)
         if problem is not None:
@@ -269,15 +294,16 @@ class XferMixin:
             req.state, req.error = ERR, code
             S.fail(code, f"postXferReq: {why}")
         req.state, req.polls, req.epoch, req.finished = PROC, 0, req.epoch + 1, False
-        req.fail_after = faults.take("xfer.fail_after", self.name, req.peer)
+        req.fail_after = faults.take("xfer.fail_after", self.name, req.peer) if armed else None
         wired = self.wired_to_self if req.peer == self.name else (peer is not None and peer.wired)
         delay = self.fabric.xfer_duration(req.nbytes, req.op, wired)
-        if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer) is not None:
-            delay = float("inf")  # a failing transfer never completes: it raises at its Nth check
-        else:
-            late = faults.take("xfer.late", self.name, req.peer)
-            if late is not None:
-                delay += float(late.params.get("delay", 1.0))
+        if armed:
+            if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer) is not None:
+                delay = float("inf")  # a failing transfer never completes: it raises at its Nth check
+            else:
+                late = faults.take("xfer.late", self.name, req.peer)
+                if late is not None:
+                    delay += float(late.params.get("delay", 1.0))
         self._emit_xfer("xfer.post", req)
         if delay <= 0:
             self._complete(req, req.epoch)
@@ -289,15 +315,22 @@ class XferMixin:
         return S.nixl_status_t.NIXL_IN_PROG
 
     def _emit_xfer(self, kind: str, req: XferReq) -> None:
-        if not self.fabric.listeners:
+        listeners = self.fabric.listeners
+        if not listeners:
             return
-        peer = self.peers.get(req.peer)
-        target = self.conn if req.peer == self.name else (peer.conn if peer is not None else None)
+        if req.peer == self.name:
+            target = self.conn
+        else:
+            peer = self.peers.get(req.peer)
+            target = peer.conn if peer is not None else None
         spans = req.spans
         if spans is None:  # listeners only read them; built once for the post and the completion
             spans = req.spans = ([(la, n) for la, _, n in req.pairs], [(ra, n) for _, ra, n in req.pairs])
-        self.fabric.emit(kind, agent=self.name, pid=self.pid, conn=self.conn, peer=req.peer, target=target,
-                         op=req.op, nbytes=req.nbytes, local=spans[0], remote=spans[1])
+        # FakeFabric.emit, inlined: two events per transfer
+        fields = {"agent": self.name, "pid": self.pid, "conn": self.conn, "peer": req.peer, "target": target,
+                  "op": req.op, "nbytes": req.nbytes, "local": spans[0], "remote": spans[1]}
+        for listener in listeners:
+            listener(kind, fields)
 
     def _complete(self, req: XferReq, epoch: int) -> None:
         if req.state != PROC or req.epoch != epoch or self.destroyed:
@@ -306,11 +339,13 @@ class XferMixin:
         if problem is not None:
             req.state, req.error = ERR, problem[0]
             return
-        for la, ra, n in req.pairs:
-            if req.op == "READ":
-                self.fabric.copy(la, ra, n)
-            else:
-                self.fabric.copy(ra, la, n)
+        copy = self.fabric.copy
+        if req.op == "READ":
+            for la, ra, n in req.pairs:
+                copy(la, ra, n)
+        else:
+            for la, ra, n in req.pairs:
+                copy(ra, la, n)
         # Like UCX, the request's state only changes when its owner checks it (a repost before that is
         # REPOST_ACTIVE even if the bytes have arrived); the target's notification does not wait for that check.
         req.finished = True

@@ -205,15 +205,16 @@ def plan_all(old: Placement, new: Placement, layer: int, rank_mapping: RankMappi
 # ------------------------------------------------------------------------------------------------ applying a plan
 
 
-def stage_local_copies(weights_layer, buffer, plan: LayerPlan) -> None:
+def stage_local_copies(weights_layer, buffer, plan: LayerPlan, arrays=None) -> None:
     """The local part of ``move_to_buffer``: ``buffer[t][dst] = weights_layer[t][src]`` for every local copy.
-    Only reads the weights, so peers may still be reading them."""
-    _copy_rows(buffer, weights_layer, plan.local_copies)
+    Only reads the weights, so peers may still be reading them.  ``arrays``: as for :func:`_copy_rows`."""
+    _copy_rows(buffer, weights_layer, plan.local_copies, arrays)
 
 
-def _copy_rows(into, source, rows: list[tuple[int, int]]) -> None:
+def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
     """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows), one indexed copy per
-    tensor rather than one per row."""
+    tensor rather than one per row.  ``arrays(tensors)``, if given, returns cached numpy views of a list of CPU
+    tensors (None for others), e.g. :meth:`RowViews.arrays`."""
     if len(into) != len(source):
         raise ValueError(f"{len(into)} tensors to write, {len(source)} to read")
     if not rows:
@@ -225,23 +226,29 @@ def _copy_rows(into, source, rows: list[tuple[int, int]]) -> None:
         return
     dst = [d for d, _ in rows]
     src = [s for _, s in rows]
-    if all(t.device.type == "cpu" and not t.requires_grad for t in (*into, *source)):
+    if arrays is not None:
+        into_np, source_np = arrays(into), arrays(source)
+    elif all(t.device.type == "cpu" and not t.requires_grad for t in (*into, *source)):
+        into_np, source_np = [t.numpy() for t in into], [t.numpy() for t in source]
+    else:
+        into_np = source_np = None
+    if into_np is not None and source_np is not None:
         dst_i, src_i = np.array(dst, dtype=np.intp), np.array(src, dtype=np.intp)
-        for a, b in zip(into, source):  # numpy views share the tensors' memory and index at a fraction of the cost
-            a.numpy()[dst_i] = b.numpy()[src_i]
+        for a, b in zip(into_np, source_np):  # numpy views share the tensors' memory and index at a fraction of the cost
+            a[dst_i] = b[src_i]
         return
     dst_t, src_t = into[0].new_tensor(dst).long(), into[0].new_tensor(src).long()
     for a, b in zip(into, source):
         a.index_copy_(0, dst_t, b.index_select(0, src_t))
 
 
-def move_from_buffer(weights_layer, buffer, plan: LayerPlan) -> None:
+def move_from_buffer(weights_layer, buffer, plan: LayerPlan, arrays=None) -> None:
     """vLLM's ``move_from_buffer``: write staged local copies, received rows and their recv copies from the
     ``expert_buffer`` into the weights.  Call after every rank's transfers of the layer are complete."""
     rows = [(dst, dst) for dst, _ in plan.local_copies]
     rows += [(dst, dst) for dst, _, _ in plan.recvs]
     rows += list(plan.recv_copies)
-    _copy_rows(weights_layer, buffer, rows)
+    _copy_rows(weights_layer, buffer, rows, arrays)
 
 
 def apply_layer(weights_layer, buffer, plan: LayerPlan) -> None:
@@ -285,6 +292,7 @@ class RowViews:
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, int], tuple[list, list]] = {}  # (id(tensor list), row) -> (that list, views)
+        self._arrays: dict[int, tuple[list, list | None]] = {}  # id(tensor list) -> (that list, numpy views)
 
     def __call__(self, tensors: list, row: int) -> list:
         key = (id(tensors), row)
@@ -293,6 +301,15 @@ class RowViews:
             views = self._views[key] = (tensors, [t[row] for t in tensors])
         return list(views[1])
 
+    def arrays(self, tensors: list) -> list | None:
+        """numpy views of a list of CPU tensors, made once per list (None if one is not a plain CPU tensor): a
+        layer's row copies index these instead of converting every tensor twice per layer."""
+        got = self._arrays.get(id(tensors))
+        if got is None or got[0] is not tensors:
+            plain = all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+            got = self._arrays[id(tensors)] = (tensors, [t.numpy() for t in tensors] if plain else None)
+        return got[1]
+
 
 def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows) -> None:
     """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
@@ -300,10 +317,11 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
     ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The simulated and the
     real workers both move through here, so the code under test sees the same call sequence in every world."""
     comm.set_transfer_context(old_indices, layer)
-    stage_local_copies(weights_layer, buffer, plan)
+    arrays = getattr(rows, "arrays", None)
+    stage_local_copies(weights_layer, buffer, plan, arrays)
     for dst_rank, logical in plan.sends:
         comm.add_send(rows(weights_layer, plan.send_row(logical)), dst_rank, logical)
     for dst_row, src_rank, logical in plan.recvs:
         comm.add_recv(rows(buffer, dst_row), src_rank, logical)
     comm.execute()
-    move_from_buffer(weights_layer, buffer, plan)
+    move_from_buffer(weights_layer, buffer, plan, arrays)
