@@ -166,7 +166,7 @@ class Worker:
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None
         if new_rank >= 0:
-            problems = check_weights(self.weights, new, new_rank)
+            problems = check_weights(self.weights, new, new_rank, self._rows.arrays)
             self.cluster.oracles.weights_checked(self.pid, problems)
         self.history("eplb.rearranged", moved_layers=old.num_layers)
 

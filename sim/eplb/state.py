@@ -393,21 +393,28 @@ def fill_weights(weights, placement: Placement, rank: int) -> None:
                 tensor[row].fill_(signature(layer, logical) + t * 0.25)
 
 
-def check_weights(weights, placement: Placement, rank: int) -> list[str]:
-    """One line per wrong row of ``rank``'s expert weights under ``placement``; empty when all are right."""
+def check_weights(weights, placement: Placement, rank: int, arrays=None) -> list[str]:
+    """One line per wrong row of ``rank``'s expert weights under ``placement``; empty when all are right.
+    ``arrays(tensors)``, if given, returns cached numpy views of a layer's CPU tensors (``RowViews.arrays``)."""
     if len(weights) != placement.num_layers:
         return [f"rank {rank}: weights has {len(weights)} layers, placement has {placement.num_layers}"]
-    if _all_right(weights, placement, rank):
+    if _all_right(weights, placement, rank, arrays):
         return []
     return _wrong_rows(weights, placement, rank)
 
 
-def _all_right(weights, placement: Placement, rank: int) -> bool:
+def _all_right(weights, placement: Placement, rank: int, arrays=None) -> bool:
     """One vectorised comparison of every layer and tensor (the common case: after every rebalance of every
     rank); the row-by-row report runs only when something is wrong."""
-    tensors = [t for layer in weights for t in layer]
+    views = [arrays(layer) for layer in weights] if arrays is not None else []
+    if views and all(v is not None for v in views):
+        tensors = [a for layer in views for a in layer]  # numpy views: shape checks without a torch call each
+        dims = [a.ndim for a in tensors]
+    else:
+        tensors = [t.detach().cpu().numpy() for layer in weights for t in layer]
+        dims = [a.ndim for a in tensors]
     n = placement.num_local_experts
-    if not tensors or any(t.dim() != 2 or t.shape[0] != n for t in tensors) or len({t.shape for t in tensors}) != 1:
+    if not tensors or any(d != 2 for d in dims) or len({a.shape for a in tensors}) != 1 or tensors[0].shape[0] != n:
         return False
     per_layer = len(weights[0])
     if any(len(layer) != per_layer for layer in weights):
@@ -415,7 +422,7 @@ def _all_right(weights, placement: Placement, rank: int) -> bool:
     ids = placement.physical_to_logical[:, rank * n:(rank + 1) * n].astype(np.float64)  # [layers, n]
     base = np.arange(placement.num_layers, dtype=np.float64)[:, None] * 1000.0 + ids  # signature(layer, logical)
     want = base[:, None, :] + np.arange(per_layer, dtype=np.float64)[None, :, None] * 0.25  # [layers, tensors, n]
-    got = np.stack([t.detach().cpu().numpy() for t in tensors]).reshape(placement.num_layers, per_layer, n, -1)
+    got = np.stack(tensors).reshape(placement.num_layers, per_layer, n, -1)
     return bool((got == want[..., None]).all())
 
 
