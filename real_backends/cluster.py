@@ -48,7 +48,8 @@ def check_real_faults(armed: list[fault_catalogue.Armed]) -> None:
     for a in armed:
         if a.site not in REAL_SITES:
             raise RealFaultRefused(
-                f"fault {a.site} exists only in the fake NIXL; the real backend injects "
+                f"fault {a.site} exists only in the simulation (the fake NIXL or the simulated device); the real "
+                f"backend injects "
                 f"{', '.join(sorted(REAL_SITES))} (and the scenario's fail_rank events)")
 
 

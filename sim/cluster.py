@@ -16,6 +16,7 @@ import fakes
 from fakes import torch_dist
 from fakes.nixl import FakeFabric, TimeModel
 
+from . import device
 from . import faults as fault_catalogue
 from .engine import Engine
 from .eplb import move
@@ -67,6 +68,7 @@ class Cluster(Engine):
         self.gc = GcController(self)
         self.faults = fault_catalogue.FaultPlan(list(faults), self.fabric, self.kernel.history)
         self._cache: dict[Any, Any] = {}
+        self.streams: dict[int, device.DeviceStream] = {}  # pid -> its simulated CUDA stream (sim/device.py)
 
     # -- plumbing for the fakes ---------------------------------------------------------------------------------
     def _whoami(self) -> int:
@@ -198,7 +200,8 @@ class Cluster(Engine):
             plugins.forget_instances(self._modules_before)
 
     def _run(self) -> None:
-        with fakes.installed(self.fabric), torch_dist.installed(), self._deep_ep():
+        with fakes.installed(self.fabric), torch_dist.installed(), device.installed(self.streams, self.kernel), \
+                self._deep_ep():
             self.kernel.spawn("engine", self.engine, pid=-1)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .device import DeviceStream
 from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
 from .faults import WORKER_SITES
@@ -51,6 +52,7 @@ class Worker:
         self.aborted: Any = None  # vLLM keeps an aborted prepare's communicator until the next prepare
         self.load = LoadWindow(sc.model.layers, sc.model.experts, max(1, sc.eplb.window))
         self._rows = move.RowViews()
+        self.stream = cluster.streams[pid] = DeviceStream(cluster.kernel, pid)  # where the row copies run
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
@@ -156,15 +158,20 @@ class Worker:
         # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
         # (before commit), the new one for a scale-up (after commit), so the group rank is the move's rank.
         comm, rank = self.comm, self.group.rank()
+        lag = self.cluster.faults.take({"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid,
+                                       "expert copies")
+        self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
         for layer in range(old.num_layers):
             if paced:
                 self.kernel.sleep(self.cluster.scenario.serving.step_time_s, "async EPLB: one layer per step")
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
-            move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows)
+            move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, self.stream)
         space = move.rank_space(old, new, mapping)
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None
+        # The next forward step reads the weights in stream order: it sees every copy issued before it.
+        self.stream.synchronize("the next forward step reads the weights")
         if new_rank >= 0:
             problems = check_weights(self.weights, new, new_rank, self._rows.arrays)
             self.cluster.oracles.weights_checked(self.pid, problems)

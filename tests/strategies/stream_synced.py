@@ -15,12 +15,21 @@ from sim.eplb.communicators.shared_agent import SharedAgentNixlCommunicator
 
 class StreamSyncedCommunicator(SharedAgentNixlCommunicator):
     def set_transfer_context(self, old_indices: Sequence[int], layer_idx: int) -> None:
-        buffer = self._expert_buffer[0]
-        if buffer.is_cuda:
-            import torch
-
-            torch.cuda.current_stream(buffer.device).synchronize()
+        _wait_for_copies(self._expert_buffer[0])
         super().set_transfer_context(old_indices, layer_idx)
+
+
+def _wait_for_copies(buffer: Any) -> None:
+    import torch
+
+    if buffer.is_cuda:
+        torch.cuda.current_stream(buffer.device).synchronize()
+        return
+    try:  # host memory: inside epsim's simulation this is the simulated process's stream (sim/device.py)
+        stream = torch.cuda.current_stream()
+    except (AssertionError, RuntimeError):  # a torch without CUDA: every copy already ran
+        return
+    stream.synchronize()
 
 
 def create(group: Any, expert_weights, expert_buffer, prev_communicator=None) -> StreamSyncedCommunicator:

@@ -1,0 +1,95 @@
+"""Asynchronous device copies: each simulated process's current CUDA stream, as far as EPLB's row copies go.
+
+vLLM moves expert rows through ``expert_buffer`` with ``non_blocking`` copies on the current CUDA stream (the local
+copies into the buffer before a layer's transfers, ``move_from_buffer`` after them), while a NIXL READ is posted
+from the CPU and lands whenever the NIC or NVLink delivers it, in no order with that stream.  If the stream is
+behind, the next layer's READs can overwrite buffer rows before the previous layer's copies out of them have run,
+and a layer's weights end up holding another layer's experts.  That was seen once on an H200 pair
+(docs/validation.md); the zero-copy NIXL communicator of vLLM has no synchronization before it posts READs.
+
+The simulated tensors live in host memory and their copies are synchronous, so by default a copy runs when it is
+issued and nothing here changes a run.  The fault site ``device.stream_lag:delay_s=S`` makes a process's stream run
+each copy of one rebalance ``S`` simulated seconds after it was issued, in issue order; a READ completing in between
+sees the buffer as it was.  ``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` are this model inside a
+run (:func:`installed`), so a strategy that synchronizes before posting its READs is exercised as it would run on a
+GPU.  Readers ordered with the stream (the next forward step, and with it the weight check after a rebalance) see
+every copy issued before them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Any, Callable, Iterator
+
+
+class DeviceStream:
+    """The current stream of one simulated process: copies run in issue order, ``lag_s`` after they were issued."""
+
+    def __init__(self, kernel, pid: int) -> None:
+        self.kernel, self.pid = kernel, pid
+        self.lag_s = 0.0
+        self._queue: deque[tuple[Callable[[], None], str]] = deque()
+
+    def __repr__(self) -> str:
+        return f"<DeviceStream pid={self.pid} lag={self.lag_s:g} s pending={len(self._queue)}>"
+
+    def submit(self, op: Callable[[], None], what: str) -> None:
+        """Issue ``op`` (a copy) on the stream: it runs now if the stream keeps up, else when its turn comes."""
+        if self.lag_s <= 0.0 and not self._queue:
+            op()
+            return
+        self._queue.append((op, what))
+        timer = self.kernel.env.timeout(self.lag_s)
+        timer.callbacks.append(self._run_oldest)
+
+    def _run_oldest(self, _event: Any) -> None:
+        # One op per issued timer, the oldest first: the stream never reorders, whatever the lag was at issue.
+        if self._queue:
+            self._queue.popleft()[0]()
+
+    def query(self) -> bool:
+        """``torch.cuda.Stream.query``: True when every issued copy has run."""
+        return not self._queue
+
+    def synchronize(self, reason: str = "synchronize") -> None:
+        """Wait for every issued copy (``torch.cuda.Stream.synchronize``); simulated time does not move, since the
+        copies themselves take no time in this model, only the lag before them."""
+        if not self._queue:
+            return
+        ran = [what for _, what in self._queue]
+        while self._queue:
+            self._queue.popleft()[0]()
+        self.kernel.history.record("device.sync", pid=self.pid, reason=reason, copies=len(ran), first=ran[0])
+
+
+def current(streams: dict[int, DeviceStream], kernel) -> DeviceStream | None:
+    """The stream of the simulated process whose thread is running, if it has one."""
+    thread = kernel.current()
+    return streams.get(thread.pid) if thread is not None else None
+
+
+@contextlib.contextmanager
+def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
+    """``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` answer with the running process's simulated
+    stream while the block runs (code outside a simulated process gets torch's own)."""
+    import torch.cuda as cuda
+
+    saved = cuda.current_stream, cuda.synchronize
+
+    def current_stream(device: Any = None):
+        stream = current(streams, kernel)
+        return stream if stream is not None else saved[0](device)
+
+    def synchronize(device: Any = None) -> None:
+        stream = current(streams, kernel)
+        if stream is None:
+            saved[1](device)
+        else:
+            stream.synchronize("torch.cuda.synchronize")
+
+    cuda.current_stream, cuda.synchronize = current_stream, synchronize
+    try:
+        yield
+    finally:
+        cuda.current_stream, cuda.synchronize = saved

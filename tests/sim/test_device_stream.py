@@ -1,0 +1,109 @@
+"""The simulated CUDA stream (sim/device.py): row copies issued late, READs that overtake them, and the fix.
+
+The finding it reproduces was seen once on an H200 pair (docs/validation.md): a layer's weights held another
+layer's expert after a rebalance, because vLLM's non_blocking copies out of ``expert_buffer`` had not run when the
+next layer's READs landed in it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sim.device import DeviceStream, installed
+from sim.kernel import Kernel
+from sim.run import run_scenario
+from sim.scenario import load
+
+SYNCED = "tests.strategies.stream_synced:create"
+
+
+def run(strategy: str, faults=(), scenario: str = "scale-up", seed: int = 0):
+    return run_scenario(load(scenario), seed=seed, strategy=strategy, faults=list(faults))
+
+
+@pytest.mark.parametrize("strategy", ["per-communicator-agent", "arena-registry", "shared-agent"])
+def test_a_lagging_stream_corrupts_the_weights_of_every_zero_copy_strategy(strategy: str) -> None:
+    assert run(strategy).verdict == "pass"
+    r = run(strategy, ["device.stream_lag:delay_s=0.01"])
+    assert (r.verdict, r.invariant) == ("safety", "expert_weights"), r.detail
+    assert "of layer" in r.detail  # the row holds another layer's expert, as on the H200 pair
+    assert r.implicated == ["device.stream_lag:delay_s=0.01"]
+
+
+def test_synchronizing_before_the_reads_fixes_it() -> None:
+    r = run(SYNCED, ["device.stream_lag:delay_s=0.01"])
+    assert r.verdict == "pass", r.detail
+    assert r.faults_fired["device.stream_lag:delay_s=0.01"] > 0
+
+
+def test_a_lag_shorter_than_a_read_is_harmless() -> None:
+    # A READ of the scenario's nominal 42 MiB expert takes about 1.1 ms here: copies 0.1 ms late still run first.
+    assert run("shared-agent", ["device.stream_lag:delay_s=0.0001"]).verdict == "pass"
+
+
+def test_a_stream_that_keeps_up_changes_no_history() -> None:
+    plain = run("shared-agent")
+    never = run("shared-agent", ["device.stream_lag:rank=99"])  # armed, never fires
+    synced = run(SYNCED)  # synchronizes an empty stream: nothing recorded
+    assert never.trace_hash == plain.trace_hash
+    assert synced.trace_hash == plain.trace_hash
+
+
+def test_lagging_runs_are_deterministic() -> None:
+    a = run("shared-agent", ["device.stream_lag:delay_s=0.005"], "elastic-cycle", seed=3)
+    b = run("shared-agent", ["device.stream_lag:delay_s=0.005"], "elastic-cycle", seed=3)
+    assert (a.trace_hash, a.verdict, a.detail) == (b.trace_hash, b.verdict, b.detail)
+
+
+def _stream_world():
+    kernel = Kernel(seed=0)
+    stream = DeviceStream(kernel, pid=7)
+    return kernel, stream
+
+
+def test_copies_run_in_issue_order_after_the_lag() -> None:
+    kernel, stream = _stream_world()
+    ran: list[tuple[str, float]] = []
+    stream.submit(lambda: ran.append(("now", kernel.now())), "a")  # keeps up: runs at once
+    stream.lag_s = 0.5
+    stream.submit(lambda: ran.append(("first", kernel.now())), "b")
+    stream.lag_s = 0.1  # a later copy with a shorter lag still waits for the one before it
+    stream.submit(lambda: ran.append(("second", kernel.now())), "c")
+    assert ran == [("now", 0.0)] and not stream.query()
+    kernel.run()
+    assert [name for name, _ in ran] == ["now", "first", "second"]
+    assert stream.query()
+
+
+def test_synchronize_runs_everything_issued_and_records_it() -> None:
+    kernel, stream = _stream_world()
+    ran: list[str] = []
+    stream.lag_s = 1.0
+    for name in ("x", "y"):
+        stream.submit(lambda name=name: ran.append(name), name)
+    stream.synchronize("test")
+    assert ran == ["x", "y"] and stream.query()
+    [(_, kind, fields)] = [r for r in kernel.history.records if r[1] == "device.sync"]
+    assert fields == {"pid": 7, "reason": "test", "copies": 2, "first": "x"}
+    kernel.run()  # the copies' own timers find nothing left to run
+    assert ran == ["x", "y"]
+
+
+def test_torch_cuda_is_the_simulated_stream_only_inside_a_simulated_process() -> None:
+    kernel, stream = _stream_world()
+    before = torch.cuda.current_stream, torch.cuda.synchronize
+    seen = []
+
+    def body() -> None:
+        seen.append(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+
+    with installed({7: stream}, kernel):
+        kernel.spawn("rank", body, pid=7)
+        kernel.run()
+        if not torch.cuda.is_available():  # outside a simulated process: torch's own (no CUDA here)
+            with pytest.raises((AssertionError, RuntimeError)):
+                torch.cuda.current_stream()
+    assert seen == [stream]
+    assert (torch.cuda.current_stream, torch.cuda.synchronize) == before
