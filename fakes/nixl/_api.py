@@ -195,6 +195,9 @@ class nixl_agent:
                         backends: list[str] = []) -> nixl_prepped_dlist_handle:  # noqa: B006
         if agent_name in ("NIXL_INIT_AGENT", ""):
             agent_name = nixlBind.NIXL_INIT_AGENT
+        if type(xfer_list) is nixlBind.nixlXferDList:  # what get_xfer_descs gave: every EPLB READ, twice
+            return nixl_prepped_dlist_handle(self.agent,
+                                             self.agent.prepXferDlist(agent_name, xfer_list, self._handles(backends)))
         if isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")

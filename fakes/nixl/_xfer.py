@@ -82,8 +82,8 @@ def _indices(values: Any) -> list[int]:
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             S.fail(S.INVALID_PARAM, "makeXferReq: indices must be a 1-D integer array")
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
+        return list(map(int, values.tolist()))
+    return list(map(int, values))
 
 
 class XferMixin:

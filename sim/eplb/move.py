@@ -219,6 +219,24 @@ def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
         raise ValueError(f"{len(into)} tensors to write, {len(source)} to read")
     if not rows:
         return
+    if arrays is not None:
+        into_np, source_np = arrays(into), arrays(source)
+    elif len(rows) > 1 and all(t.device.type == "cpu" and not t.requires_grad for t in (*into, *source)):
+        into_np, source_np = [t.numpy() for t in into], [t.numpy() for t in source]
+    else:
+        into_np = source_np = None
+    if into_np is not None and source_np is not None:
+        # numpy views share the tensors' memory and index at a fraction of the cost
+        if len(rows) == 1:
+            (dst, src), = rows
+            for a, b in zip(into_np, source_np):
+                a[dst] = b[src]
+            return
+        dst_i = np.array([d for d, _ in rows], dtype=np.intp)
+        src_i = np.array([s for _, s in rows], dtype=np.intp)
+        for a, b in zip(into_np, source_np):
+            a[dst_i] = b[src_i]
+        return
     if len(rows) == 1:
         (dst, src), = rows
         for a, b in zip(into, source):
@@ -226,17 +244,6 @@ def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
         return
     dst = [d for d, _ in rows]
     src = [s for _, s in rows]
-    if arrays is not None:
-        into_np, source_np = arrays(into), arrays(source)
-    elif all(t.device.type == "cpu" and not t.requires_grad for t in (*into, *source)):
-        into_np, source_np = [t.numpy() for t in into], [t.numpy() for t in source]
-    else:
-        into_np = source_np = None
-    if into_np is not None and source_np is not None:
-        dst_i, src_i = np.array(dst, dtype=np.intp), np.array(src, dtype=np.intp)
-        for a, b in zip(into_np, source_np):  # numpy views share the tensors' memory and index at a fraction of the cost
-            a[dst_i] = b[src_i]
-        return
     dst_t, src_t = into[0].new_tensor(dst).long(), into[0].new_tensor(src).long()
     for a, b in zip(into, source):
         a.index_copy_(0, dst_t, b.index_select(0, src_t))

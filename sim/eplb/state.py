@@ -389,8 +389,9 @@ def fill_weights(weights, placement: Placement, rank: int) -> None:
             if tensor.dim() != 2 or tensor.shape[0] != len(ids):
                 raise EplbError(f"weights[{layer}][{t}] must be [num_local_experts={len(ids)}, hidden], "
                                 f"got {tuple(tensor.shape)}")
-            for row, logical in enumerate(ids):
-                tensor[row].fill_(signature(layer, logical) + t * 0.25)
+            # One copy per tensor: every element of row i holds its slot's signature.
+            values = [signature(layer, logical) + t * 0.25 for logical in ids]
+            tensor.copy_(tensor.new_tensor(values)[:, None].expand_as(tensor))
 
 
 def check_weights(weights, placement: Placement, rank: int, arrays=None) -> list[str]:
