@@ -41,16 +41,18 @@ class RealFaultRefused(ScenarioError):
     """A fault only the fake NIXL can produce was asked of the real backend."""
 
 
-REAL_SITES = frozenset(fault_catalogue.GC_SITES) | {"storage.move", "peer.restart"}
+REAL_SITES = frozenset(fault_catalogue.GC_SITES) | {"storage.move", "peer.restart", "device.stream_lag"}
 
 
-def check_real_faults(armed: list[fault_catalogue.Armed]) -> None:
+def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -> None:
     for a in armed:
         if a.site not in REAL_SITES:
             raise RealFaultRefused(
-                f"fault {a.site} exists only in the simulation (the fake NIXL or the simulated device); the real "
-                f"backend injects "
+                f"fault {a.site} exists only in the fake NIXL; the real backend injects "
                 f"{', '.join(sorted(REAL_SITES))} (and the scenario's fail_rank events)")
+        if a.site == "device.stream_lag" and device != "cuda":
+            raise RealFaultRefused("fault device.stream_lag delays copies on a CUDA stream: use --device cuda "
+                                   "(host-memory copies run when issued)")
 
 
 @dataclass
@@ -137,7 +139,7 @@ class RealCluster(Engine):
                  device: str = "cpu", timeout_s: float = 120.0, on_progress=None, launcher=None) -> None:
         from sim.eplb.communicators import plugins
 
-        check_real_faults(list(faults))
+        check_real_faults(list(faults), device)
         if scenario.all2all.backend != "none":
             raise ScenarioError(f"all2all.backend {scenario.all2all.backend}: the real backend runs no all2all "
                                 "buffers yet (DeepEP needs a build and GPUs); simulate it, or set all2all.backend=none")
@@ -282,7 +284,8 @@ class RealCluster(Engine):
     # -- faults decided by the parent ---------------------------------------------------------------------------
     def choose_faults(self, w: RankProcess, kind: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
-        PREPARE, taken from the plan here so that ``times`` counts across processes as in the simulation."""
+        PREPARE or a rearrange, taken from the plan here so that ``times`` counts across processes as in the
+        simulation."""
         drops = {"commit": ["old communicator"],
                  "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"],
                  "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])
@@ -292,6 +295,11 @@ class RealCluster(Engine):
             if fault is not None:
                 gc_faults[what] = {"site": fault.site, **fault.params}
         extra: dict[str, Any] = {}
+        if kind == "rearrange":
+            lag = self.faults.take({"device.stream_lag": fault_catalogue.WORKER_SITES["device.stream_lag"]}, w.pid,
+                                   "expert copies")
+            if lag is not None:
+                extra["stream_lag_s"] = float(lag.params.get("delay_s", 0.01))
         if kind == "prepare":
             for site, flag in (("storage.move", "storage_move"), ("peer.restart", "peer_restart")):
                 extra[flag] = self.faults.take({site: fault_catalogue.WORKER_SITES[site]}, w.pid,

@@ -15,6 +15,7 @@ PREPARE (``storage.move``); every agent restarted under its name (``peer.restart
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -72,6 +73,39 @@ class Link:
             self._seq += 1
             seq = self._seq
         self.send("event", time.monotonic(), self.pid, seq, kind, fields)
+
+
+class _LaggingStream:
+    """Fault ``device.stream_lag`` on a GPU: a sleep kernel of ``lag_s`` on the current stream in front of each row
+    copy, so the stream is that far behind when the copy is issued (the simulation's ``sim.device.DeviceStream``
+    under the same fault).  The copies are non_blocking tensor ops: they queue behind the sleep."""
+
+    def __init__(self, lag_s: float, device: Any) -> None:
+        import torch
+
+        self._torch, self._device = torch, device
+        self._cycles = max(1, int(lag_s * _cycles_per_second(device)))
+
+    def submit(self, op, what: str) -> None:
+        with self._torch.cuda.device(self._device):
+            self._torch.cuda._sleep(self._cycles)
+        op()
+
+
+@functools.lru_cache(maxsize=None)
+def _cycles_per_second(device: Any) -> float:
+    """How many ``torch.cuda._sleep`` cycles make a second on ``device`` (measured once per process)."""
+    import torch
+
+    cycles = 20_000_000
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1e3)
 
 
 class RealWorker:
@@ -134,7 +168,7 @@ class RealWorker:
     def do_serve(self, steps: int, loads) -> None:
         self.load.record(loads, steps)
 
-    def do_rearrange(self, old, new, mapping) -> None:
+    def do_rearrange(self, old, new, mapping, stream_lag_s: float = 0.0) -> None:
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -143,10 +177,12 @@ class RealWorker:
         self._rearrange_started = time.perf_counter()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
+        stream = _LaggingStream(stream_lag_s, self.weights[0][0].device) if stream_lag_s > 0 else None
         if self.sc.eplb.use_async:
-            self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True)
+            self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True,
+                                                stream)
         else:
-            self._move(old, new, mapping, False)
+            self._move(old, new, mapping, False, stream)
 
     def do_drain(self) -> None:
         self.join_async()
@@ -156,7 +192,7 @@ class RealWorker:
         if th is not None:
             th.join()
 
-    def _move(self, old, new, mapping, paced: bool) -> None:
+    def _move(self, old, new, mapping, paced: bool, stream=None) -> None:
         from sim.eplb import move
         from sim.eplb.state import check_weights
 
@@ -166,7 +202,8 @@ class RealWorker:
                 time.sleep(self.sc.serving.step_time_s * 0.01)  # one layer per (scaled) forward step
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
-            move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
+            move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
+                            stream)
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.
         self.history("eplb.moved", seconds=time.perf_counter() - self._rearrange_started)
         new_rank = move.rank_space(old, new, mapping).to_new[rank]

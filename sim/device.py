@@ -8,12 +8,14 @@ and a layer's weights end up holding another layer's experts.  That was seen onc
 (docs/validation.md); the zero-copy NIXL communicator of vLLM has no synchronization before it posts READs.
 
 The simulated tensors live in host memory and their copies are synchronous, so by default a copy runs when it is
-issued and nothing here changes a run.  The fault site ``device.stream_lag:delay_s=S`` makes a process's stream run
-each copy of one rebalance ``S`` simulated seconds after it was issued, in issue order; a READ completing in between
-sees the buffer as it was.  ``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` are this model inside a
-run (:func:`installed`), so a strategy that synchronizes before posting its READs is exercised as it would run on a
-GPU.  Readers ordered with the stream (the next forward step, and with it the weight check after a rebalance) see
-every copy issued before them.
+issued and nothing here changes a run.  The fault site ``device.stream_lag:delay_s=S`` puts ``S`` seconds of other
+work on a process's stream in front of each copy of one rebalance, as a busy GPU would (and as the real backend
+does on a GPU, with a sleep kernel before each copy): copies run in issue order, each ``S`` after the stream got to
+it, and a READ completing in between sees the buffer as it was.  ``torch.cuda.current_stream()`` and
+``torch.cuda.synchronize()`` are this model inside a run (:func:`installed`); a synchronization waits, in simulated
+time, until the stream has run everything issued, so a strategy that synchronizes before posting its READs is
+exercised as it would run on a GPU.  Readers ordered with the stream (the next forward step, and with it the
+weight check after a rebalance) see every copy issued before them.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any, Callable, Iterator
 
 
 class DeviceStream:
-    """The current stream of one simulated process: copies run in issue order, ``lag_s`` after they were issued."""
+    """The current stream of one simulated process: copies run in issue order, each ``lag_s`` after the stream got
+    to it."""
 
     def __init__(self, kernel, pid: int) -> None:
         self.kernel, self.pid = kernel, pid
         self.lag_s = 0.0
         self._queue: deque[tuple[Callable[[], None], str]] = deque()
+        self._busy_until = 0.0  # when the stream will have run everything issued so far
 
     def __repr__(self) -> str:
         return f"<DeviceStream pid={self.pid} lag={self.lag_s:g} s pending={len(self._queue)}>"
@@ -39,12 +43,14 @@ class DeviceStream:
         if self.lag_s <= 0.0 and not self._queue:
             op()
             return
+        now = self.kernel.now()
+        self._busy_until = max(now, self._busy_until) + self.lag_s
         self._queue.append((op, what))
-        timer = self.kernel.env.timeout(self.lag_s)
+        timer = self.kernel.env.timeout(self._busy_until - now)
         timer.callbacks.append(self._run_oldest)
 
     def _run_oldest(self, _event: Any) -> None:
-        # One op per issued timer, the oldest first: the stream never reorders, whatever the lag was at issue.
+        # One op per issued timer, the oldest first: timers fire in issue order, and a flush may have run it.
         if self._queue:
             self._queue.popleft()[0]()
 
@@ -53,14 +59,27 @@ class DeviceStream:
         return not self._queue
 
     def synchronize(self, reason: str = "synchronize") -> None:
-        """Wait for every issued copy (``torch.cuda.Stream.synchronize``); simulated time does not move, since the
-        copies themselves take no time in this model, only the lag before them."""
+        """``torch.cuda.Stream.synchronize``: the calling thread waits until the stream has run everything issued."""
         if not self._queue:
             return
-        ran = [what for _, what in self._queue]
+        copies, first = len(self._queue), self._queue[0][1]
+        wait = self._busy_until - self.kernel.now()
+        if wait > 0 and self.kernel.current() is not None:
+            self.kernel.sleep(wait, f"stream synchronize ({copies} copies)")
+        self._drain()
+        self.kernel.history.record("device.sync", pid=self.pid, reason=reason, copies=copies, first=first)
+
+    def flush(self, reason: str) -> None:
+        """What a reader ordered after the issued copies on the stream sees: they all run now (no one waits)."""
+        if not self._queue:
+            return
+        copies, first = len(self._queue), self._queue[0][1]
+        self._drain()
+        self.kernel.history.record("device.flush", pid=self.pid, reason=reason, copies=copies, first=first)
+
+    def _drain(self) -> None:
         while self._queue:
             self._queue.popleft()[0]()
-        self.kernel.history.record("device.sync", pid=self.pid, reason=reason, copies=len(ran), first=ran[0])
 
 
 def current(streams: dict[int, DeviceStream], kernel) -> DeviceStream | None:

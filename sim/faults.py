@@ -36,9 +36,10 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
     "peer.restart": ("a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
                      "memory registered again, no peers loaded); peers that kept the old entry must remove it "
                      "before loading the name again", frozenset()),
-    "device.stream_lag": ("a rank's CUDA stream runs each expert row copy of one rebalance delay_s after it was "
-                          "issued (default 0.01), so a READ posted from the CPU can land in expert_buffer before the "
-                          "copies out of it (vLLM's non_blocking copies; see sim/device.py)", frozenset({"delay_s"})),
+    "device.stream_lag": ("a rank's CUDA stream has delay_s (default 0.01) of other work before each expert row "
+                          "copy of one rebalance, so a READ posted from the CPU can land in expert_buffer before the "
+                          "copies out of it (vLLM's non_blocking copies; sim/device.py; on a GPU the real backend "
+                          "queues a sleep kernel)", frozenset({"delay_s"})),
     "all2all.parity_skew": ("a rank runs one extra low-latency dispatch on its own (a dummy batch), so its "
                             "double-buffer parity runs one ahead of its peers' (DeepEP low latency)", frozenset()),
     "all2all.stale_handle": ("a rank combines with the handle of its last dispatch from before the EP size changed, "

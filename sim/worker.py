@@ -171,7 +171,7 @@ class Worker:
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None
         # The next forward step reads the weights in stream order: it sees every copy issued before it.
-        self.stream.synchronize("the next forward step reads the weights")
+        self.stream.flush("the next forward step reads the weights")
         if new_rank >= 0:
             problems = check_weights(self.weights, new, new_rank, self._rows.arrays)
             self.cluster.oracles.weights_checked(self.pid, problems)

@@ -237,16 +237,12 @@ def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
         for a, b in zip(into_np, source_np):
             a[dst_i] = b[src_i]
         return
-    if len(rows) == 1:
-        (dst, src), = rows
+    # Device tensors: one non_blocking copy per row, as vLLM's move_to_buffer/move_from_buffer issue them.  An index
+    # tensor built from a Python list would be a host-to-device copy that waits for the stream, an ordering vLLM's
+    # copies do not have (it would hide the race of sim/device.py on a GPU).
+    for dst, src in rows:
         for a, b in zip(into, source):
-            a[dst].copy_(b[src])
-        return
-    dst = [d for d, _ in rows]
-    src = [s for _, s in rows]
-    dst_t, src_t = into[0].new_tensor(dst).long(), into[0].new_tensor(src).long()
-    for a, b in zip(into, source):
-        a.index_copy_(0, dst_t, b.index_select(0, src_t))
+            a[dst].copy_(b[src], non_blocking=True)
 
 
 def move_from_buffer(weights_layer, buffer, plan: LayerPlan, arrays=None) -> None:

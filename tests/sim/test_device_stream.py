@@ -62,32 +62,41 @@ def _stream_world():
     return kernel, stream
 
 
-def test_copies_run_in_issue_order_after_the_lag() -> None:
+def test_each_copy_waits_the_lag_behind_the_one_before_it() -> None:
     kernel, stream = _stream_world()
     ran: list[tuple[str, float]] = []
     stream.submit(lambda: ran.append(("now", kernel.now())), "a")  # keeps up: runs at once
     stream.lag_s = 0.5
     stream.submit(lambda: ran.append(("first", kernel.now())), "b")
-    stream.lag_s = 0.1  # a later copy with a shorter lag still waits for the one before it
+    stream.lag_s = 0.1  # issued at once, it waits for the first, then its own lag
     stream.submit(lambda: ran.append(("second", kernel.now())), "c")
     assert ran == [("now", 0.0)] and not stream.query()
     kernel.run()
-    assert [name for name, _ in ran] == ["now", "first", "second"]
+    assert ran == [("now", 0.0), ("first", 0.5), ("second", pytest.approx(0.6))]
     assert stream.query()
 
 
-def test_synchronize_runs_everything_issued_and_records_it() -> None:
+def test_synchronize_waits_for_the_stream_and_a_reader_flushes_it() -> None:
     kernel, stream = _stream_world()
-    ran: list[str] = []
-    stream.lag_s = 1.0
-    for name in ("x", "y"):
-        stream.submit(lambda name=name: ran.append(name), name)
-    stream.synchronize("test")
-    assert ran == ["x", "y"] and stream.query()
-    [(_, kind, fields)] = [r for r in kernel.history.records if r[1] == "device.sync"]
-    assert fields == {"pid": 7, "reason": "test", "copies": 2, "first": "x"}
-    kernel.run()  # the copies' own timers find nothing left to run
-    assert ran == ["x", "y"]
+    ran: list[tuple[str, float]] = []
+    waited: list[float] = []
+
+    def rank() -> None:
+        stream.lag_s = 1.0
+        for name in ("x", "y"):
+            stream.submit(lambda name=name: ran.append((name, kernel.now())), name)
+        stream.synchronize("test")
+        waited.append(kernel.now())
+        stream.submit(lambda: ran.append(("z", kernel.now())), "z")
+        stream.flush("a stream-ordered reader")  # runs it now, and no one waits
+
+    kernel.spawn("rank", rank, pid=7)
+    kernel.run()
+    assert [name for name, _ in ran] == ["x", "y", "z"]
+    assert waited == [2.0] and ran[-1] == ("z", 2.0)  # x ran at 1 s, y at 2 s; the thread woke at 2 s
+    syncs = [(kind, f) for _, kind, f in kernel.history.records if kind.startswith("device.")]
+    assert syncs == [("device.sync", {"pid": 7, "reason": "test", "copies": 2, "first": "x"}),
+                     ("device.flush", {"pid": 7, "reason": "a stream-ordered reader", "copies": 1, "first": "z"})]
 
 
 def test_torch_cuda_is_the_simulated_stream_only_inside_a_simulated_process() -> None:
