@@ -27,3 +27,15 @@ def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy) -> None:
     assert real["profile"] == "real-cuda"
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("pass", None)
     assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy, verdict", [("shared-agent", ("safety", "expert_weights")),
+                                               ("tests.strategies.stream_synced:create", ("pass", None))])
+def test_a_lagging_stream_gives_the_simulated_verdict_on_vram(strategy, verdict) -> None:
+    """The copy/READ race of sim/device.py, forced with a sleep kernel in front of each row copy."""
+    real_nixl_or_skip()
+    lag = ("--fault", "device.stream_lag:delay_s=0.01")
+    real = _run(*UP_2_TO_3, "--strategy", strategy, "--backend", "real", "--device", "cuda", *lag)
+    sim = _run(*UP_2_TO_3, "--strategy", strategy, "--profile", "cuda", *lag)
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == verdict

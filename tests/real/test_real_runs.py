@@ -72,7 +72,8 @@ def test_real_faults_are_done_for_real_and_agree(fault):
 
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():
     for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
-                  ("--ranks-per-host", "1"), ("--calibration", "x.json")):
+                  ("--ranks-per-host", "1"), ("--calibration", "x.json"),
+                  ("--fault", "device.stream_lag")):  # host-memory copies run when issued: nothing to delay
         done = epsim("run", "steady", "--backend", "real", *extra)
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
