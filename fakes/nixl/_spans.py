@@ -15,6 +15,7 @@ from typing import Any, Hashable, Iterable
 
 _MISSING = object()
 
+
 class SpanIndex:
     def __init__(self) -> None:
         self._items: list[tuple[Hashable, int, int, Any]] = []  # (key, start, end, payload)

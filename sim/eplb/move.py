@@ -212,9 +212,9 @@ def stage_local_copies(weights_layer, buffer, plan: LayerPlan, arrays=None) -> N
 
 
 def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
-    """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows), one indexed copy per
-    tensor rather than one per row.  ``arrays(tensors)``, if given, returns cached numpy views of a list of CPU
-    tensors (None for others), e.g. :meth:`RowViews.arrays`."""
+    """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows): host tensors in one
+    indexed numpy copy per tensor, device tensors in one non_blocking copy per row.  ``arrays(tensors)``, if given,
+    returns cached numpy views of a list of CPU tensors (None for others), e.g. :meth:`RowViews.arrays`."""
     if len(into) != len(source):
         raise ValueError(f"{len(into)} tensors to write, {len(source)} to read")
     if not rows:
