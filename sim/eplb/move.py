@@ -320,20 +320,21 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
     local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
     ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The simulated and the
     real workers both move through here, so the code under test sees the same call sequence in every world.
-    ``stream`` (a :class:`sim.device.DeviceStream`) runs the two row copies, as vLLM's non_blocking copies run on
-    the current CUDA stream; without one they run at once."""
+    ``stream`` (``submit(op, what)``: a :class:`sim.device.DeviceStream`, or the real backend's lagging CUDA stream)
+    runs the two row copies, as vLLM's non_blocking copies run on the current CUDA stream; without one they run at
+    once."""
     comm.set_transfer_context(old_indices, layer)
     arrays = getattr(rows, "arrays", None)
-    if stream is not None:
-        stream.submit(lambda: stage_local_copies(weights_layer, buffer, plan, arrays), f"stage layer {layer}")
-    else:
-        stage_local_copies(weights_layer, buffer, plan, arrays)
+    issue = stream.submit if stream is not None else _at_once
+    issue(lambda: stage_local_copies(weights_layer, buffer, plan, arrays), f"stage layer {layer}")
     for dst_rank, logical in plan.sends:
         comm.add_send(rows(weights_layer, plan.send_row(logical)), dst_rank, logical)
     for dst_row, src_rank, logical in plan.recvs:
         comm.add_recv(rows(buffer, dst_row), src_rank, logical)
     comm.execute()
-    if stream is not None:
-        stream.submit(lambda: move_from_buffer(weights_layer, buffer, plan, arrays), f"move_from_buffer layer {layer}")
-    else:
-        move_from_buffer(weights_layer, buffer, plan, arrays)
+    issue(lambda: move_from_buffer(weights_layer, buffer, plan, arrays), f"move_from_buffer layer {layer}")
+
+
+def _at_once(op, what: str) -> None:
+    """Row copies without a stream: they run when issued."""
+    op()

@@ -410,12 +410,11 @@ def _all_right(weights, placement: Placement, rank: int, arrays=None) -> bool:
     views = [arrays(layer) for layer in weights] if arrays is not None else []
     if views and all(v is not None for v in views):
         tensors = [a for layer in views for a in layer]  # numpy views: shape checks without a torch call each
-        dims = [a.ndim for a in tensors]
     else:
         tensors = [t.detach().cpu().numpy() for layer in weights for t in layer]
-        dims = [a.ndim for a in tensors]
     n = placement.num_local_experts
-    if not tensors or any(d != 2 for d in dims) or len({a.shape for a in tensors}) != 1 or tensors[0].shape[0] != n:
+    if not tensors or any(a.ndim != 2 for a in tensors) or len({a.shape for a in tensors}) != 1 or \
+            tensors[0].shape[0] != n:
         return False
     per_layer = len(weights[0])
     if any(len(layer) != per_layer for layer in weights):
