@@ -66,20 +66,19 @@ class DeviceStream:
         wait = self._busy_until - self.kernel.now()
         if wait > 0 and self.kernel.current() is not None:
             self.kernel.sleep(wait, f"stream synchronize ({copies} copies)")
-        self._drain()
-        self.kernel.history.record("device.sync", pid=self.pid, reason=reason, copies=copies, first=first)
+        self._drain("device.sync", reason, copies, first)
 
     def flush(self, reason: str) -> None:
         """What a reader ordered after the issued copies on the stream sees: they all run now (no one waits)."""
         if not self._queue:
             return
-        copies, first = len(self._queue), self._queue[0][1]
-        self._drain()
-        self.kernel.history.record("device.flush", pid=self.pid, reason=reason, copies=copies, first=first)
+        self._drain("device.flush", reason, len(self._queue), self._queue[0][1])
 
-    def _drain(self) -> None:
+    def _drain(self, kind: str, reason: str, copies: int, first: str) -> None:
+        """Run every issued copy now, then record it (counted when the caller asked, before any wait)."""
         while self._queue:
             self._queue.popleft()[0]()
+        self.kernel.history.record(kind, pid=self.pid, reason=reason, copies=copies, first=first)
 
 
 def current(streams: dict[int, DeviceStream], kernel) -> DeviceStream | None:
