@@ -2,8 +2,9 @@
 
 Each simulated rank holds its own :class:`FakeProcessGroup` (as each real process holds its own ProcessGroup); the
 members of one group share a :class:`Rendezvous`.  Collectives match by sequence number: the k-th collective a rank
-issues on a group meets the k-th of every other member.  Objects cross "processes" as copies (tensors cloned,
-anything else pickled), so no simulated rank ever aliases another's objects.  A collective that some member never
+issues on a group meets the k-th of every other member.  Objects cross "processes" as copies (tensors cloned, lists
+and dicts rebuilt around shared immutable leaves, anything else pickled), so no simulated rank ever aliases another's
+mutable objects.  A collective that some member never
 reaches raises :class:`CollectiveTimeout` once the group's timeout has passed since its first member arrived (vLLM's
 EPLB barrier waits 5 minutes), naming the missing ranks.
 
@@ -18,7 +19,7 @@ import contextlib
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 ReduceOps = ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
 
@@ -42,24 +43,65 @@ class _Op:
     args: dict[int, Any] = field(default_factory=dict)  # group rank -> contribution
     done: Any = None  # simpy event, value = result per rank
     deadline: Any = None  # simpy timeout from the first arrival: one watchdog per collective, not per waiter
-    pickled: dict = field(default_factory=dict)  # id(result) -> its serialized form, while the results live
+    copiers: dict = field(default_factory=dict)  # id(result) -> a function copying it, while the results live
 
 
-def _copy(value: Any, pickled: dict[int, bytes] | None = None) -> Any:
-    """What crosses from one simulated process to another: a copy, never the object itself.  ``pickled`` caches
-    serialized values by id while they are alive, so one result that every rank receives (all_gather_object's list)
-    is serialized once and deserialized per rank."""
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _shareable(value: Any) -> bool:
+    """Deeply immutable (atoms of exact builtin types, and tuples or frozensets of them): a copy may share it."""
+    t = type(value)
+    return t in _ATOMS or ((t is tuple or t is frozenset) and all(map(_shareable, value)))
+
+
+def _copier(value: Any) -> Callable[[], Any]:
+    """A function that returns a fresh copy of ``value`` each call: new lists and dicts, the same immutable leaves
+    (no rank can tell a shared str or tuple from its own).  Anything else, or a structure holding one mutable object
+    twice (whose aliasing a copy must keep), is serialized once and deserialized per call."""
+    seen: set[int] = set()
+
+    def build(v: Any) -> Callable[[], Any] | None:
+        if _shareable(v):
+            return lambda: v
+        t = type(v)
+        if t is not list and t is not dict or id(v) in seen:
+            return None
+        seen.add(id(v))
+        if t is list:
+            if all(map(_shareable, v)):
+                return v.copy
+            parts = [build(x) for x in v]
+            return None if None in parts else (lambda: [p() for p in parts])
+        if not all(map(_shareable, v)):  # keys
+            return None
+        if all(map(_shareable, v.values())):
+            return v.copy
+        parts = [(k, build(x)) for k, x in v.items()]
+        return None if any(p is None for _, p in parts) else (lambda: {k: p() for k, p in parts})
+
+    made = build(value)
+    if made is None:
+        blob = pickle.dumps(value)
+        return lambda: pickle.loads(blob)
+    return made
+
+
+def _copy(value: Any, copiers: dict[int, Callable[[], Any]] | None = None) -> Any:
+    """What crosses from one simulated process to another: a copy, never the object itself.  ``copiers`` caches a
+    copier per result (by id, while the results live), so one result that every rank receives (all_gather_object's
+    list) is examined once and copied per rank at C speed: at EP256 every rank receives every rank's metadata."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return value.detach().clone()
-    if pickled is None:
+    if copiers is None:
         return pickle.loads(pickle.dumps(value))
-    blob = pickled.get(id(value))
-    if blob is None:
-        blob = pickled[id(value)] = pickle.dumps(value)
-    return pickle.loads(blob)
+    copier = copiers.get(id(value))
+    if copier is None:
+        copier = copiers[id(value)] = _copier(value)
+    return copier()
 
 
 class Rendezvous:
@@ -111,7 +153,7 @@ class Rendezvous:
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
-        return _copy(results[rank], op.pickled)
+        return _copy(results[rank], op.copiers)
 
 
 class FakeProcessGroup:

@@ -101,12 +101,14 @@ class SectionTable:
 
     def rekeys(self, other: SectionTable) -> bool:
         """Does ``other`` give a known descriptor a new remote key?"""
+        if other is self:  # the same metadata again: decoding is cached, so it is the very same table
+            return False
         mine = self.sections
         return any((known := mine.get(k)) is not None and known.key != r.key for k, r in other.sections.items())
 
     def merged(self, other: SectionTable) -> SectionTable:
         """This table with ``other``'s sections added or re-keyed; never removes one (NIXL merges metadata)."""
-        if not self.sections:
+        if not self.sections or other is self:
             return other
         mine = self.sections
         if all((known := mine.get(k)) is not None and known.key == r.key for k, r in other.sections.items()):

@@ -103,14 +103,15 @@ class NixlReadCommunicator(EplbCommunicator):
         dist.all_gather_object(metas, mine, group=self._group)
         per_rank: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
         for r, meta in enumerate(metas):
-            if sorted(meta) != sorted(mine):
+            if meta.keys() != mine.keys():
                 raise RuntimeError(f"rank {r} registered expert tensors {sorted(meta)}, rank {self._rank} "
                                    f"{sorted(mine)}: layers and tensors must match on every rank")
-            for key, (_, stride, _) in meta.items():
-                if stride != mine[key][1]:
-                    raise RuntimeError(f"layer {key[0]} tensor {key[1]}: rank {r} has {stride} bytes per expert, "
+            entries = per_rank[r] = {}
+            for key, value in meta.items():
+                if value[1] != mine[key][1]:
+                    raise RuntimeError(f"layer {key[0]} tensor {key[1]}: rank {r} has {value[1]} bytes per expert, "
                                        f"rank {self._rank} {mine[key][1]}")
-            per_rank[r] = {key: tuple(v) for key, v in meta.items()}
+                entries[key] = tuple(value)
         self._remote_send_meta = per_rank
         self._remote_ready = True
 
