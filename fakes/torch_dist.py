@@ -117,7 +117,9 @@ class Rendezvous:
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
 
-    def run(self, rank: int, kind: str, contribution: Any, combine) -> Any:
+    def run(self, rank: int, kind: str, contribution: Any, combine, private: bool = False) -> Any:
+        """Issue this rank's collective ``kind`` and wait for its result.  ``private``: the caller only reads the
+        result (all_reduce copies it into the rank's own tensor), so it is not copied for each rank."""
         if self.destroyed:
             raise RuntimeError(f"{kind} on destroyed group {self.name}")
         seq = self._next_seq[rank]
@@ -153,7 +155,7 @@ class Rendezvous:
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
-        return _copy(results[rank], op.copiers)
+        return results[rank] if private else _copy(results[rank], op.copiers)
 
 
 class FakeProcessGroup:
@@ -251,8 +253,8 @@ def all_reduce(tensor, op=None, group=None, async_op: bool = False):
         return [out] * len(values)
 
     def go():
-        result = g.rendezvous.run(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce)
-        tensor.copy_(result.to(tensor.dtype))
+        result = g.rendezvous.run(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce, private=True)
+        tensor.copy_(result)  # casts to the tensor's dtype, as the real all_reduce leaves it
 
     work = _Work(go)
     if async_op:

@@ -133,10 +133,13 @@ def _needs(old_rows: list[int], new_rows: list[int]):
     return unchanged, local, first_recv, recv_copies
 
 
-def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int) -> dict[tuple[int, int], int]:
+def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
+             needs: list[tuple] | None = None) -> dict[tuple[int, int], int]:
+    """``needs``: every rank's :func:`_needs`, if the caller has them already."""
+    if needs is None:
+        needs = [_needs(o, n) for o, n in zip(old_rows, new_rows)]
     wanted = []  # (logical, dst_rank, dst_row)
-    for dst in range(len(new_rows)):
-        _, _, first_recv, _ = _needs(old_rows[dst], new_rows[dst])
+    for dst, (_, _, first_recv, _) in enumerate(needs):
         wanted.extend((logical, dst, row) for logical, row in first_recv.items())
     sends = [0] * len(old_rows)
     holding: dict[int, list[int]] = {}  # logical -> the ranks holding it before the move, ascending
@@ -149,7 +152,10 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int) -
         if not holders:
             raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {dst} but no rank holds "
                             f"it before the move")
-        src = min(holders, key=lambda r: (sends[r], r))
+        src = holders[0]  # the fewest sends so far, then the lowest rank (holders ascend)
+        for r in holders:
+            if sends[r] < sends[src]:
+                src = r
         sends[src] += 1
         out[(dst, row)] = src
     return dict(sorted(out.items()))
@@ -174,8 +180,8 @@ def _sends_by_rank(new_rows, sources) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _plan(old_rows, new_rows, layer: int, rank: int, sources, sends_by_rank=None) -> LayerPlan:
-    unchanged, local, first_recv, recv_copies = _needs(old_rows[rank], new_rows[rank])
+def _plan(old_rows, new_rows, layer: int, rank: int, sources, sends_by_rank=None, needs=None) -> LayerPlan:
+    unchanged, local, first_recv, recv_copies = needs if needs is not None else _needs(old_rows[rank], new_rows[rank])
     recvs = sorted(((row, sources[(rank, row)], logical) for logical, row in first_recv.items()),
                    key=lambda x: x[2])
     if sends_by_rank is None:
@@ -197,9 +203,10 @@ def plan_layer(old: Placement, new: Placement, layer: int, rank: int,
 def plan_all(old: Placement, new: Placement, layer: int, rank_mapping: RankMapping = None) -> list[LayerPlan]:
     """Every communication rank's plan for ``layer`` (index = rank)."""
     old_rows, new_rows = _rows(old, new, layer, rank_mapping)
-    sources = _sources(old_rows, new_rows, layer)
+    needs = [_needs(o, n) for o, n in zip(old_rows, new_rows)]
+    sources = _sources(old_rows, new_rows, layer, needs)
     sends = _sends_by_rank(new_rows, sources)
-    return [_plan(old_rows, new_rows, layer, r, sources, sends) for r in range(len(old_rows))]
+    return [_plan(old_rows, new_rows, layer, r, sources, sends, needs[r]) for r in range(len(old_rows))]
 
 
 # ------------------------------------------------------------------------------------------------ applying a plan
