@@ -150,7 +150,7 @@ class Engine:
         old = self.placement
         size = new_size or len(self.members)
         self.before_rebalance()
-        new = policy.rebalance(self.total_load(self.members), self.shape, size)
+        new = policy.rebalance(self.total_load(self.members), self.shape, size, previous=old)
         if size == old.ep_size and new == old:
             new = old
         self.record("engine.rebalance", step=self.step, ep_size=size)

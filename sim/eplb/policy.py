@@ -9,6 +9,10 @@ Per layer:
    slot and does not hold that expert yet (ties: lower rank); only when every rank with a free slot already holds
    the expert may a rank get a second replica.  A repair pass then swaps slots between ranks while that removes a
    duplicate.  Each rank's slots are listed in ascending logical id.
+3. *Keep slots.*  Given the placement it replaces, every rank in both (a rank keeps its index when the group grows
+   or shrinks) puts the experts it keeps back in their old slots, and the newcomers in the slots left: vLLM's
+   ``preserve_intragpu_slots``, which its default policy applies whenever it is given the current map (the
+   rearrange always gives it).  Those rows are then left alone instead of copied inside the rank.
 
 A replica is assumed to serve ``load / replicas`` tokens.  No randomness: the same load gives the same placement.
 """
@@ -16,6 +20,7 @@ A replica is assumed to serve ``load / replicas`` tokens.  No randomness: the sa
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -116,16 +121,39 @@ def _remove_duplicates(slots: list[list[int]]) -> None:
             return
 
 
-def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int) -> Placement:
+def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int]:
+    """vLLM's ``preserve_intragpu_slots`` for one rank and layer: ``new_rows`` reordered so that an expert the rank
+    keeps stays in its old slot and is not copied at all.  Old slots are visited in order, each taking the first
+    not yet placed replica of its old expert; the remaining new experts fill the other slots in their new order."""
+    placed: list[int | None] = [None] * len(new_rows)
+    free = list(new_rows)  # new experts not yet placed (None once placed)
+    for slot, was in enumerate(old_rows[:len(new_rows)]):
+        if was in free:
+            i = free.index(was)
+            placed[slot], free[i] = was, None
+    rest = iter(e for e in free if e is not None)
+    return [e if e is not None else next(rest) for e in placed]
+
+
+def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Placement | None = None) -> Placement:
     """The placement for ``ep_size`` ranks given the ``[num_layers, num_logical_experts]`` load (e.g.
-    :meth:`~sim.eplb.state.LoadWindow.total` after the all-reduce)."""
+    :meth:`~sim.eplb.state.LoadWindow.total` after the all-reduce).  ``previous``: the placement being replaced;
+    every rank that exists in both keeps the experts it keeps in their old slots (:func:`preserve_slots`), as vLLM's
+    default policy does when it is given the current map (it always is, also when the group grows or shrinks: a
+    rank keeps its index)."""
     shape.validate(ep_size)
     arr = _check_load(load, shape.num_layers, shape.num_logical_experts)
     num_local = shape.num_local_experts
     out = np.empty((shape.num_layers, shape.num_physical(ep_size)), dtype=np.int64)
+    kept = 0 if previous is None else min(ep_size, previous.ep_size)
+    if previous is not None and previous.num_local_experts != num_local:
+        raise EplbError(f"previous placement has {previous.num_local_experts} slots per rank, the shape "
+                        f"{num_local}")
     for layer in range(shape.num_layers):
         counts = replica_counts(arr[layer], shape.num_physical(ep_size), ep_size)
         for rank, ids in enumerate(_pack_layer(arr[layer], counts, ep_size, num_local)):
+            if rank < kept:
+                ids = preserve_slots(ids, previous.rank_rows(rank, layer).tolist())
             out[layer, rank * num_local:(rank + 1) * num_local] = ids
     return Placement(out, ep_size, shape.num_logical_experts)
 

@@ -1,5 +1,6 @@
-"""The rebalance policy: literal placements, determinism, every expert present, no avoidable duplicates, and a
-better balance than the initial map when one hot expert sits in a single slot."""
+"""The rebalance policy: literal placements, determinism, every expert present, no avoidable duplicates, a better
+balance than the initial map when one hot expert sits in a single slot, and experts a rank keeps staying in their
+slots (vLLM's preserve_intragpu_slots)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.eplb.policy import balancedness, rank_loads, rebalance, replica_counts
+from collections import Counter
+
+from sim.eplb import move
+from sim.eplb.policy import balancedness, preserve_slots, rank_loads, rebalance, replica_counts
+from sim.eplb.state import EplbError
 from sim.eplb.state import ModelShape, Placement
 
 SHAPE = ModelShape(num_layers=2, num_logical_experts=4, num_local_experts=3)
@@ -138,3 +143,61 @@ def test_policy_beats_initial_on_literal_zipf() -> None:
     before = balancedness(load, Placement.initial(shape, 4))
     after = balancedness(load, rebalance(load, shape, 4))
     assert before < 0.65 and after > 0.99
+
+
+def test_preserve_slots_literal() -> None:
+    # 3 and 0 stay on the rank: they keep slots 0 and 2; the newcomer 2 takes the slot 1 left free.
+    assert preserve_slots([0, 2, 3], [3, 1, 0]) == [3, 2, 0]
+    # two replicas of 5 on the rank before and after: each old slot of 5 keeps one; 7 fills the gap.
+    assert preserve_slots([5, 5, 7], [5, 9, 5]) == [5, 7, 5]
+    # one replica of 5 kept out of two: the first old slot of 5 keeps it.
+    assert preserve_slots([1, 5, 7], [5, 9, 5]) == [5, 1, 7]
+    # a rank that held nothing (it joins in a scale-up): the new order as it is.
+    assert preserve_slots([4, 1], [-1, -1]) == [4, 1]
+    assert preserve_slots([4, 1], [4, 1]) == [4, 1]
+
+
+def _kept(old_rows, new_rows) -> int:
+    return sum((Counter(old_rows) & Counter(new_rows)).values())
+
+
+@st.composite
+def preserve_cases(draw):
+    shape, ep_size, load = draw(cases())
+    old_ep = draw(st.integers(-(-shape.num_logical_experts // shape.num_local_experts), ep_size + 2))
+    old_load = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=shape.num_logical_experts,
+                                               max_size=shape.num_logical_experts),
+                                      min_size=shape.num_layers, max_size=shape.num_layers)), dtype=np.int64)
+    return shape, ep_size, load, rebalance(old_load, shape, old_ep)
+
+
+@settings(max_examples=80, deadline=None)
+@given(preserve_cases())
+def test_kept_experts_keep_their_slots(case) -> None:
+    """Given the placement it replaces (of any size: the group may grow or shrink), every rank in both holds the
+    same experts as without it, and as many rows as possible are left alone: no local copy is left for the move
+    planner except a replica the rank did not hold as often before."""
+    shape, ep_size, load, previous = case
+    plain = rebalance(load, shape, ep_size)
+    p = rebalance(load, shape, ep_size, previous=previous)
+    assert p == rebalance(load.copy(), shape, ep_size, previous=previous)
+    for layer in range(shape.num_layers):
+        for rank in range(ep_size):
+            new, base = p.local(rank, layer), plain.local(rank, layer)
+            assert sorted(new) == sorted(base)
+            if rank >= previous.ep_size:
+                assert new == base
+                continue
+            old = previous.local(rank, layer)
+            assert sum(a == b for a, b in zip(old, new)) == _kept(old, new)
+    if previous.ep_size == ep_size:
+        for layer in range(shape.num_layers):
+            for plan in move.plan_all(previous, p, layer):
+                assert all(plan.old_rows.count(plan.new_rows[dst]) < plan.new_rows.count(plan.new_rows[dst])
+                           for dst, _ in plan.local_copies)
+
+
+def test_previous_placement_with_other_slots_per_rank_is_refused() -> None:
+    other = ModelShape(num_layers=2, num_logical_experts=4, num_local_experts=2)
+    with pytest.raises(EplbError, match="2 slots per rank"):
+        rebalance(np.ones((2, 4)), SHAPE, 2, previous=Placement.initial(other, 2))
