@@ -4,9 +4,8 @@ Each simulated rank holds its own :class:`FakeProcessGroup` (as each real proces
 members of one group share a :class:`Rendezvous`.  Collectives match by sequence number: the k-th collective a rank
 issues on a group meets the k-th of every other member.  Objects cross "processes" as copies (tensors cloned, lists
 and dicts rebuilt around shared immutable leaves, anything else pickled), so no simulated rank ever aliases another's
-mutable objects.  A collective that some member never
-reaches raises :class:`CollectiveTimeout` once the group's timeout has passed since its first member arrived (vLLM's
-EPLB barrier waits 5 minutes), naming the missing ranks.
+mutable objects.  A collective that some member never reaches raises :class:`CollectiveTimeout` once the group's
+timeout has passed since its first member arrived (vLLM's EPLB barrier waits 5 minutes), naming the missing ranks.
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
 ``group`` argument is a fake group, and to the real functions otherwise, so code written against
