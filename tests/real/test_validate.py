@@ -45,3 +45,20 @@ def test_case_names_show_the_ep_sizes_and_faults():
     assert Case("scale-down", "shared-agent", {"ranks": 3, "timeline.0.to": 2}, ("gc.cycle",)).name == \
         "scale-down 3->2 · shared-agent · gc.cycle"
     assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_cases_for_one_device_run_only_there(monkeypatch):
+    """The stream-lag cases need a CUDA stream to lag: validate on host memory leaves them out (and says nothing
+    about them), on VRAM it runs them like the others."""
+    import real_backends.validate as validate
+
+    lagged = [c for c in CASES if c.device == "cuda"]
+    assert {c.strategy for c in lagged} == {"shared-agent", "per-communicator-agent"}
+    assert all(c.faults == ("device.stream_lag:delay_s=0.01",) and not c.quick for c in lagged)
+    ran = []
+    monkeypatch.setattr(validate, "run_case", lambda case, device, timeout_s: ran.append(case) or {"agree": True})
+    validate.run_validation("cpu", catalogue=False)
+    assert ran and not [c for c in ran if c.device is not None]
+    ran.clear()
+    validate.run_validation("cuda", catalogue=False)
+    assert [c for c in ran if c.device == "cuda"] == lagged
