@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import GC_FAULTS, PROFILES, SCENARIOS, STRATEGIES, render, render_deep_ep, run_deep_ep, run_matrix
+from sim.matrix import (GC_FAULTS, PROFILES, SCENARIOS, STRATEGIES, STREAM_SYNCED, render, render_deep_ep,
+                        render_stream_lag, run_deep_ep, run_matrix, run_stream_lag)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 
@@ -110,6 +111,28 @@ def test_a_handle_from_before_the_ep_size_changed_is_refused(deep_cells) -> None
         assert r.verdict == "crash" and "handle from another buffer (EP size 2, this buffer 4)" in r.detail
 
 
-def test_docs_results_is_current(cells, deep_cells) -> None:
-    assert DOC.read_text() == render(cells) + "\n" + render_deep_ep(deep_cells), \
-        "docs/results.md is stale: python -m sim.matrix > docs/results.md"
+@pytest.fixture(scope="module")
+def stream_cells():
+    return run_stream_lag()
+
+
+def test_a_lagging_stream_breaks_every_builtin_strategy_everywhere(stream_cells) -> None:
+    """vLLM's zero-copy data path orders nothing after the stream: with it 10 ms behind, a later layer's expert ends
+    up in a row in every scenario, whatever the agent lifecycle."""
+    for c in stream_cells:
+        if c.strategy in STRATEGIES:
+            assert (c.result.verdict, c.result.invariant) == ("safety", "expert_weights"), (c.strategy, c.scenario)
+            assert "of layer" in c.result.detail
+
+
+def test_synchronizing_the_stream_leaves_only_shared_agents_own_findings(stream_cells, cells) -> None:
+    for c in stream_cells:
+        if c.strategy == STREAM_SYNCED:
+            plain = cell(cells, c.scenario, "shared-agent", "cuda")
+            assert (c.result.verdict, c.result.invariant) == (plain.verdict, plain.invariant), c.scenario
+    assert {c.result.verdict for c in stream_cells if c.strategy == STREAM_SYNCED} == {"pass", "safety", "liveness"}
+
+
+def test_docs_results_is_current(cells, deep_cells, stream_cells) -> None:
+    expected = render(cells) + "\n" + render_deep_ep(deep_cells) + "\n" + render_stream_lag(stream_cells)
+    assert DOC.read_text() == expected, "docs/results.md is stale: python -m sim.matrix > docs/results.md"
