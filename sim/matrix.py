@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .run import Result, run_scenario
 from .scenario import load
@@ -48,17 +49,34 @@ def short(r: Result) -> str:
     return "pass" if r.verdict == "pass" else f"{r.verdict}: {r.invariant}"
 
 
-@dataclass(frozen=True)
-class Cell:
-    scenario: str
-    strategy: str
-    profile: str
-    fault: str
+class _Verdict:
+    """What every table's cell shares: its run's result, and the text it shows."""
+
     result: Result
 
     @property
     def short(self) -> str:
         return short(self.result)
+
+
+def _first_of_each_kind(cells: list, kind: Callable[[Any], Any], label: Callable[[Any], str]) -> list[str]:
+    """A line with the oracle's words for the first failing cell of each ``kind``."""
+    seen, out = set(), []
+    for c in cells:
+        if c.result.verdict == "pass" or kind(c) in seen:
+            continue
+        seen.add(kind(c))
+        out.append(f"- **{label(c)}**: {c.result.detail}.")
+    return out
+
+
+@dataclass(frozen=True)
+class Cell(_Verdict):
+    scenario: str
+    strategy: str
+    profile: str
+    fault: str
+    result: Result
 
 
 def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, faults=GC_FAULTS) -> list[Cell]:
@@ -75,15 +93,11 @@ def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, fa
 
 
 @dataclass(frozen=True)
-class DeepEPCell:
+class DeepEPCell(_Verdict):
     backend: str
     nvshmem: str
     column: str
     result: Result
-
-    @property
-    def short(self) -> str:
-        return short(self.result)
 
 
 def run_deep_ep() -> list[DeepEPCell]:
@@ -123,29 +137,17 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "collector runs the collective destroy, so the rank whose buffer is never collected is the one the "
             "others wait for.",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
-    seen = set()
-    for c in cells:
-        r = c.result
-        if r.verdict == "pass":
-            continue
-        kind = (r.invariant, (r.detail or "").split(":")[-1][:60])
-        if kind in seen:
-            continue
-        seen.add(kind)
-        out.append(f"- **{c.backend} / {c.nvshmem} / {c.column}**: {r.detail}.")
+    out += _first_of_each_kind(cells, lambda c: (c.result.invariant, (c.result.detail or "").split(":")[-1][:60]),
+                               lambda c: f"{c.backend} / {c.nvshmem} / {c.column}")
     out.append("")
     return "\n".join(out)
 
 
 @dataclass(frozen=True)
-class StreamCell:
+class StreamCell(_Verdict):
     strategy: str
     scenario: str
     result: Result
-
-    @property
-    def short(self) -> str:
-        return short(self.result)
 
 
 def run_stream_lag() -> list[StreamCell]:
@@ -174,13 +176,8 @@ def render_stream_lag(cells: list[StreamCell]) -> str:
             "On an H200 pair the same lag on scale-up 2->3 gives the simulation's verdict, and in five runs of six "
             "its first wrong row; the race has also happened there twice with no lag at all (`docs/validation.md`).",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
-    seen = set()
-    for c in cells:
-        r = c.result
-        if r.verdict == "pass" or (r.invariant, c.strategy == STREAM_SYNCED) in seen:
-            continue
-        seen.add((r.invariant, c.strategy == STREAM_SYNCED))
-        out.append(f"- **{c.strategy} / {c.scenario}**: {r.detail}.")
+    out += _first_of_each_kind(cells, lambda c: (c.result.invariant, c.strategy == STREAM_SYNCED),
+                               lambda c: f"{c.strategy} / {c.scenario}")
     out.append("")
     return "\n".join(out)
 
