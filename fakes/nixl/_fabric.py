@@ -13,7 +13,6 @@ whoever makes that call.  Either way nothing depends on the wall clock, so runs 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import heapq
 import itertools
 import math
@@ -200,11 +199,6 @@ class FakeFabric:
             return False
         hi = addr + max(length, 1)
         return any(lo < hi and addr < rhi for lo, rhi in self._freed)
-
-    @staticmethod
-    def copy(dst: int, src: int, length: int) -> None:
-        if length:
-            ctypes.memmove(dst, src, length)
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
     def new_id(self) -> int:

@@ -9,6 +9,7 @@ Where 1.5.1 crashes the process (posting a released request), the ``dram`` profi
 
 from __future__ import annotations
 
+from ctypes import memmove  # the bytes of a transfer move for real, host to host
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,13 +340,14 @@ class XferMixin:
         if problem is not None:
             req.state, req.error = ERR, problem[0]
             return
-        copy = self.fabric.copy
         if req.op == "READ":
             for la, ra, n in req.pairs:
-                copy(la, ra, n)
+                if n:
+                    memmove(la, ra, n)
         else:
             for la, ra, n in req.pairs:
-                copy(ra, la, n)
+                if n:
+                    memmove(ra, la, n)
         # Like UCX, the request's state only changes when its owner checks it (a repost before that is
         # REPOST_ACTIVE even if the bytes have arrived); the target's notification does not wait for that check.
         req.finished = True

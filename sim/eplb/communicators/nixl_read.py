@@ -101,17 +101,19 @@ class NixlReadCommunicator(EplbCommunicator):
         mine = self._send_meta()
         metas: list[Any] = [None] * self._world
         dist.all_gather_object(metas, mine, group=self._group)
+        # Every rank checks every peer's (layer, tensor) entries: R^2 x layers x tensors at each reconfiguration
+        # (a quarter of a million per rank at EP64), so the common case is one dict comparison per peer.
+        strides = {key: value[1] for key, value in mine.items()}
         per_rank: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
         for r, meta in enumerate(metas):
             if meta.keys() != mine.keys():
                 raise RuntimeError(f"rank {r} registered expert tensors {sorted(meta)}, rank {self._rank} "
                                    f"{sorted(mine)}: layers and tensors must match on every rank")
-            entries = per_rank[r] = {}
-            for key, value in meta.items():
-                if value[1] != mine[key][1]:
-                    raise RuntimeError(f"layer {key[0]} tensor {key[1]}: rank {r} has {value[1]} bytes per expert, "
-                                       f"rank {self._rank} {mine[key][1]}")
-                entries[key] = tuple(value)
+            if {key: value[1] for key, value in meta.items()} != strides:
+                key, value = next((k, v) for k, v in meta.items() if v[1] != strides[k])
+                raise RuntimeError(f"layer {key[0]} tensor {key[1]}: rank {r} has {value[1]} bytes per expert, "
+                                   f"rank {self._rank} {strides[key]}")
+            per_rank[r] = {key: tuple(value) for key, value in meta.items()}
         self._remote_send_meta = per_rank
         self._remote_ready = True
 
@@ -166,8 +168,8 @@ class NixlReadCommunicator(EplbCommunicator):
         remote_descs = []
         for t, dst in enumerate(tensors):
             base, stride, dev = self._remote_send_meta[src_rank][(layer, t)]
-            assert dst.is_contiguous() and dst.numel() * dst.element_size() == stride, (
-                f"recv tensor {t} has {dst.numel() * dst.element_size()} bytes, one expert has {stride}")
+            assert dst.is_contiguous() and dst.nbytes == stride, (
+                f"recv tensor {t} has {dst.nbytes} bytes, one expert has {stride}")
             remote_descs.append((base + row * stride, stride, dev))
         local = agent.get_xfer_descs(list(tensors), self._mem)
         remote = agent.get_xfer_descs(remote_descs, self._mem)
