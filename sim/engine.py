@@ -153,7 +153,7 @@ class Engine:
         new = policy.rebalance(self.total_load(self.members), self.shape, size, previous=old)
         if size == old.ep_size and new == old:
             new = old
-        self.record("engine.rebalance", step=self.step, ep_size=size)
+        self.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest())
         start = self.now()
         ok = self._all("rearrange", old=old, new=new, mapping=mapping)
         if ok and self.scenario.eplb.use_async:

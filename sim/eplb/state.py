@@ -14,6 +14,7 @@ torch is not installed.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -284,6 +285,14 @@ class Placement:
         return Placement(out, new_ep_size, self._num_logical)
 
     # -- value semantics
+
+    def digest(self) -> str:
+        """16 hex digits that change with any slot of any layer, the EP size or the number of logical experts:
+        what the run history records of each rebalance, so that the trace hash covers the policy's choice even
+        where it moves no bytes between ranks (a reorder within a rank)."""
+        h = hashlib.sha256(f"{self._ep_size},{self._num_logical},{self._p2l.shape}".encode())
+        h.update(self._p2l.astype("<i8", copy=False).tobytes())
+        return h.hexdigest()[:16]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):

@@ -41,6 +41,27 @@ def test_scale_up_lifecycle_history_is_literal() -> None:
     c.kernel.close()
 
 
+def test_history_records_the_placement_each_rebalance_chose(monkeypatch) -> None:
+    """The trace hash covers the policy's output, also where it moves no bytes between ranks (a reorder within a
+    rank leaves every READ as it was)."""
+    from sim.cluster import Cluster
+    from sim.eplb import policy
+
+    chosen, real = [], policy.rebalance
+
+    def spy(*args, **kwargs):
+        new = real(*args, **kwargs)
+        chosen.append(new.digest())
+        return new
+
+    monkeypatch.setattr(policy, "rebalance", spy)
+    c = Cluster(load("scale-up"), seed=0, strategy="shared-agent", profile="dram")
+    c.run()
+    recorded = [f["placement"] for _, kind, f in c.kernel.history.records if kind == "engine.rebalance"]
+    assert recorded == chosen and len(set(recorded)) >= 2  # at least one per EP size
+    c.kernel.close()
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_same_seed_same_trace_hash_in_process(strategy: str) -> None:
     a, b = run("elastic-cycle", strategy=strategy, seed=3), run("elastic-cycle", strategy=strategy, seed=3)

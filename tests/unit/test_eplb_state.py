@@ -110,6 +110,17 @@ def test_placement_value_semantics() -> None:
     assert "ep_size=2" in repr(a)
 
 
+def test_placement_digest_follows_every_slot() -> None:
+    a = Placement.from_list([[0, 1, 2, 3], [3, 2, 1, 0]], 2, 4)
+    assert a.digest() == Placement.from_list(a.to_list(), 2, 4).digest()
+    assert len(a.digest()) == 16 and int(a.digest(), 16) >= 0
+    # a reorder within rank 0 of layer 1 moves no bytes between ranks; the digest still changes
+    others = [Placement.from_list([[0, 1, 2, 3], [2, 3, 1, 0]], 2, 4),
+              Placement.from_list([[0, 1, 2, 3], [3, 2, 1, 0]], 4, 4),  # the same slots over four ranks
+              Placement.from_list([[0, 1, 3, 2], [3, 2, 1, 0]], 2, 4)]
+    assert len({a.digest(), *(o.digest() for o in others)}) == 4
+
+
 @pytest.mark.parametrize("p2l, ep_size, num_logical, message", [
     ([[0, 1, 2]], 2, None, "not a multiple of ep_size=2"),
     ([0, 1], 1, None, "shape"),
