@@ -55,6 +55,29 @@ def test_same_seed_same_trace_hash() -> None:
     assert world(7) == world(7)
 
 
+def test_trace_hash_depends_on_values_not_on_shared_objects() -> None:
+    from sim.trace import History
+
+    def hashed(*records):
+        clock = [0.0]
+        h = History(lambda: clock[0])
+        for t, kind, fields in records:
+            clock[0] = t
+            h.record(kind, **fields)
+        return h.trace_hash()
+
+    name = "agent-" + str(7)  # one object, recorded twice below; a copy of it in the other history
+    base = hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 3}))
+    copied = "".join(name)  # equal, another object
+    assert base == hashed((0.5, "a", {"agent": "agent-7", "spans": [(1, 2)]}), (1.0, "b", {"agent": copied, "n": 3}))
+    changed = [hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 4})),
+               hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.5, "b", {"agent": name, "n": 3})),
+               hashed((0.5, "a", {"spans": [(1, 2)], "agent": name}), (1.0, "b", {"agent": name, "n": 3})),
+               hashed((1.0, "b", {"agent": name, "n": 3}), (0.5, "a", {"agent": name, "spans": [(1, 2)]})),
+               hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 3.0}))]
+    assert len({base, *changed}) == 6  # a value, a time, field order, record order, a type: each counts
+
+
 def test_wait_returns_the_event_value_and_raises_its_failure() -> None:
     k = Kernel()
     ev_ok, ev_bad = k.env.event(), k.env.event()
