@@ -155,13 +155,21 @@ def _validation_table(report) -> None:
     table = Table(title=f"simulation ({report['profile']}) vs real ({report['device']})")
     for col in ("case", "simulated", "real", "agree"):
         table.add_column(col, overflow="fold")
+    races = 0
     for c in report["cases"]:
         sim, real = c["sim"], c["real"]
-        table.add_row(c["case"], _outcome(sim), _outcome(real),
-                      "yes" if c["agree"] else "NO: " + "; ".join(c["differences"]))
+        verdict = "yes" if c["agree"] else "NO: " + "; ".join(c["differences"])
+        lagged = c.get("with_stream_lag")
+        if lagged is not None:
+            races += lagged["matches_real"]
+            verdict += (f" (with {lagged['fault']} the simulation gives "
+                        f"{_outcome(lagged['sim'])}: " + ("the copy/READ race" if lagged["matches_real"]
+                                                        else "not the race") + ")")
+        table.add_row(c["case"], _outcome(sim), _outcome(real), verdict)
     console.print(table)
     agree = sum(c["agree"] for c in report["cases"])
-    console.print(f"{agree} of {len(report['cases'])} scenario cases agree ({report['wall_s']} s); "
+    race = f"; the copy/READ race without injected lag explains {races} more" if races else ""
+    console.print(f"{agree} of {len(report['cases'])} scenario cases agree{race} ({report['wall_s']} s); "
                   "disagreements are explained in docs/validation.md")
 
 
