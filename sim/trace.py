@@ -79,13 +79,15 @@ class History:
         """SHA-256 over every record in order, fields in the order they were recorded (the code that records them
         fixes that order), each slice of records written as pickle protocol 5 in fast mode.  Without a memo, the
         bytes depend on values only, not on which objects happen to be shared, so a change that only shares or
-        copies objects keeps every hash; plain data and floats pickle to the same bytes in every process.  It
-        costs a tenth of ``repr`` (4 s of a million records at DeepSeek scale)."""
+        copies objects keeps every hash; plain data and floats pickle to the same bytes in every process.  The
+        million records of the EP64 hour hash in about 0.5 s this way, where ``repr`` of every record took 4 s."""
         h = hashlib.sha256()
         for chunk in self.records.chunks(8192):
             buf = io.BytesIO()
             pickler = pickle.Pickler(buf, protocol=5)
-            pickler.fast = True  # no memo: see above (records are plain data, never self-referential)
+            # No memo (see above; records are plain data, never self-referential).  The docs call this switch
+            # deprecated, yet it is the only one there is; if it ever goes, setting it raises and the tests say so.
+            pickler.fast = True
             pickler.dump(chunk)
             h.update(buf.getbuffer())
         return h.hexdigest()[:16]
