@@ -11,6 +11,7 @@ from __future__ import annotations
 from time import perf_counter as _wall  # the real clock: bound before any run patches the time module
 
 from rich.console import Console
+from rich.table import Column
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
@@ -36,11 +37,17 @@ class _Bar:
             self._progress.stop()
 
 
+def run_columns(steps: int) -> tuple:
+    """The columns of a run's line.  On an 80-column terminal rich's defaults squeezed the step count to "750/7…":
+    the bar is narrower, and the count never shortens (the speed text gives way first)."""
+    return (TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
+            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(steps)) + 1)),
+            TextColumn("steps · {task.fields[sim]}"), TimeElapsedColumn())
+
+
 class RunProgress(_Bar):
     def __init__(self, scenario: str, steps: int) -> None:
-        super().__init__(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                         TextColumn("steps · {task.fields[sim]}"), TimeElapsedColumn(),
-                         transient=True, auto_refresh=False)
+        super().__init__(*run_columns(steps), transient=True, auto_refresh=False)
         self._task = self._progress.add_task(scenario, total=steps, sim="")
         self._drawn = 0.0
 
@@ -52,7 +59,7 @@ class RunProgress(_Bar):
             return
         self._drawn = now
         speed = sim_s / max(now - self._started, 1e-9)
-        self._progress.update(self._task, completed=step, sim=f"{sim_s:,.0f} s simulated, {speed:,.0f}x real time")
+        self._progress.update(self._task, completed=step, sim=f"{sim_s:,.0f} s simulated · {speed:,.0f}x")
         self._progress.refresh()
 
 

@@ -258,3 +258,18 @@ def test_a_nixl_fault_is_armed_at_its_step_inside_a_serving_chunk() -> None:
     arm = next(i for i, (_, kind, f) in enumerate(records) if kind == "fault.arm")
     serving = [f["step"] for _, kind, f in records[:arm] if kind == "engine.serve"]
     assert serving[-1] < 137 and any(kind == "engine.serve" and f["step"] == 137 for _, kind, f in records[arm:])
+
+
+def test_a_run_line_keeps_its_step_count_whole_on_an_80_column_terminal() -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from sim.progress import run_columns
+
+    console = Console(width=80, force_terminal=True, record=True, color_system=None)
+    progress = Progress(*run_columns(72000), console=console, auto_refresh=False)
+    task = progress.add_task("deepseek-v3-ep64", total=72000, sim="499 s simulated · 70x")
+    progress.update(task, completed=9750)
+    console.print(progress.make_tasks_table(progress.tasks))
+    line = console.export_text().strip()
+    assert "deepseek-v3-ep64" in line and " 9750/72000 steps" in line, line
