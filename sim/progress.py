@@ -63,14 +63,20 @@ class RunProgress(_Bar):
         self._progress.refresh()
 
 
+def sweep_columns(total: int) -> tuple:
+    """The columns of a sweep's line, fitted to 80 columns as :func:`run_columns` is."""
+    whole = Column(no_wrap=True, min_width=2 * len(str(total)) + 1)
+    return (TextColumn("[bold]sweep"), BarColumn(bar_width=16), MofNCompleteColumn(table_column=whole),
+            TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
+            TimeElapsedColumn(), TextColumn("·"),
+            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)), TextColumn("left"))
+
+
 class SweepProgress(_Bar):
     """Runs done of planned, failures so far, runs per second and time left, on stderr when it is a terminal."""
 
     def __init__(self, total: int) -> None:
-        super().__init__(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
-                         TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
-                         TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
-                         transient=False)
+        super().__init__(*sweep_columns(total), transient=False)
         self._task = self._progress.add_task("sweep", total=total, failures=0, rate="")
         self._done = self._failures = 0
 
@@ -79,4 +85,4 @@ class SweepProgress(_Bar):
         self._failures += row["verdict"] != "pass"
         if self.enabled:
             rate = self._done / max(_wall() - self._started, 1e-9)
-            self._progress.update(self._task, advance=1, failures=self._failures, rate=f"{rate:.1f} runs/s")
+            self._progress.update(self._task, advance=1, failures=self._failures, rate=f"{rate:.1f}/s")

@@ -260,11 +260,11 @@ def test_a_nixl_fault_is_armed_at_its_step_inside_a_serving_chunk() -> None:
     assert serving[-1] < 137 and any(kind == "engine.serve" and f["step"] == 137 for _, kind, f in records[arm:])
 
 
-def test_a_run_line_keeps_its_step_count_whole_on_an_80_column_terminal() -> None:
+def test_run_and_sweep_lines_keep_their_counts_whole_on_an_80_column_terminal() -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from sim.progress import run_columns
+    from sim.progress import run_columns, sweep_columns
 
     console = Console(width=80, force_terminal=True, record=True, color_system=None)
     progress = Progress(*run_columns(72000), console=console, auto_refresh=False)
@@ -273,3 +273,11 @@ def test_a_run_line_keeps_its_step_count_whole_on_an_80_column_terminal() -> Non
     console.print(progress.make_tasks_table(progress.tasks))
     line = console.export_text().strip()
     assert "deepseek-v3-ep64" in line and " 9750/72000 steps" in line, line
+
+    console = Console(width=80, force_terminal=True, record=True, color_system=None)
+    progress = Progress(*sweep_columns(2000), console=console, auto_refresh=False)
+    task = progress.add_task("sweep", total=2000, failures=371, rate="10.6/s")
+    progress.update(task, completed=1200)
+    console.print(progress.make_tasks_table(progress.tasks))
+    line = console.export_text().strip()
+    assert " 1200/2000 runs · 371 failed · 10.6/s 0:00:00 · -:--:-- left" in line and "…" not in line, line
