@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 from . import __version__
 from .errors import EpsimError
+from .outputs import writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
 
@@ -97,6 +98,8 @@ def run(
         if under_torchrun() and os.environ["RANK"] != "0":  # a torchrun slot: wait for a rank to run, then exit
             raise typer.Exit(serve_slot())
 
+    if out is not None:
+        writable_dir(out, "--out")  # before the run: a bad path costs one line, not the run
     result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                        out=out, check_determinism=check_determinism, overrides=overrides,
                                        backend=backend, device=device, timeout_s=timeout, calibration=calibration,
@@ -195,6 +198,8 @@ def calibrate(
     from real_backends.nixl_real import require_real
 
     require_real(device)
+    if out is not None:
+        writable_file(out, "--out")
     calibration = cal.measure(device)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +285,8 @@ def sweep(
     specs = sweep_mod.plan(scenario, sweep_mod.parse_seeds(seeds), strategy, profile, fault, swarm)
     eng = engines.make(engine, workers, timeout, ray_address)
     bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
+    if bundles is not None:  # the default sits next to --db, which the results database checks itself
+        writable_dir(bundles, "--bundles")
     command = "epsim sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
         outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,
@@ -308,6 +315,8 @@ def replay(
     """Run a failure bundle again: exit 0 if it gives the same signature and trace hash, 1 if not."""
     from . import bundle as bundle_mod
 
+    if out is not None:
+        writable_dir(out, "--out")
     rep = bundle_mod.replay(bundle, out)
     exp, r = rep.bundle.expected, rep.result
     payload = {"bundle": bundle, "reproduced": rep.reproduced, "signature": r.signature,
@@ -342,6 +351,9 @@ def shrink(
 
     from . import bundle as bundle_mod
 
+    for path, option in ((out, "--out"), (corpus, "--corpus")):
+        if path is not None:
+            writable_dir(path, option)
     res = shrink_mod.shrink(bundle, out, max_runs=max_runs, on_step=show)
     saved = str(bundle_mod.save_to_corpus(res.bundle, corpus)) if corpus else None
     before, after = res.original.size(), res.final.size()

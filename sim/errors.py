@@ -22,3 +22,7 @@ class UnknownName(EpsimError, LookupError):
 
 class BackendUnavailable(EpsimError, RuntimeError):
     """An optional backend (real NIXL, a GPU, DeepEP) is not installed or not usable here."""
+
+
+class BadOutput(EpsimError, ValueError):
+    """An output path (``--out``, ``--bundles``, ``--corpus``) epsim cannot write to."""

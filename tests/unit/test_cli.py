@@ -75,3 +75,38 @@ def test_conform_on_an_unusable_backend_is_one_line_exit_2() -> None:
     done = epsim("conform", "--backend", "real", "--memory", "vram")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["epsim: error: --memory vram needs a CUDA GPU; none is visible"]
+
+
+@pytest.mark.parametrize("command", [
+    ("run", "steady", "--out", "{bad}"),
+    ("replay", "tests/corpus/broken-finalizer-gc-late", "--out", "{bad}"),
+    ("shrink", "tests/corpus/broken-finalizer-gc-late", "--out", "{bad}"),
+    ("shrink", "tests/corpus/broken-finalizer-gc-late", "--out", "{ok}", "--corpus", "{bad}"),
+    ("sweep", "steady", "--seeds", "0:1", "--db", "{ok}/r.db", "--bundles", "{bad}"),
+])
+def test_an_output_path_that_cannot_be_written_is_one_line_before_any_work(command, tmp_path) -> None:
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "sub"  # under a file: no directory can be made there, whoever runs the test
+    option = command[command.index("{bad}") - 1]
+    done = epsim(*(a.format(bad=bad, ok=tmp_path / "ok") for a in command))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"epsim: error: {option} {bad}: cannot write there (Not a directory); "
+                                                "give a path you can write to"]
+    assert not done.stdout.strip()  # nothing ran
+
+
+def test_output_paths_name_what_is_wrong(tmp_path) -> None:
+    from sim.errors import BadOutput
+    from sim.outputs import writable_dir, writable_file
+
+    (tmp_path / "a-file").write_text("kept")
+    with pytest.raises(BadOutput, match="that is a file; give a directory"):
+        writable_dir(tmp_path / "a-file", "--out")
+    with pytest.raises(BadOutput, match="that is a directory; give a file name"):
+        writable_file(tmp_path, "--out")
+    with pytest.raises(BadOutput, match=r"--out .*a-file/x\.json: cannot write there"):
+        writable_file(tmp_path / "a-file" / "x.json", "--out")
+    assert writable_dir(tmp_path / "new" / "deeper", "--out").is_dir()
+    assert writable_file(tmp_path / "made" / "c.json", "--out").parent.is_dir()
+    assert (tmp_path / "a-file").read_text() == "kept"
+    assert not list((tmp_path / "new" / "deeper").iterdir())  # the probe leaves nothing behind
