@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fakes.nixl._faults import PARAMS as NIXL_PARAMS
+from fakes.nixl._faults import STATUS_BY_NAME as NIXL_STATUS
 from fakes.nixl._faults import SITES as NIXL_SITES
 
 from .errors import ScenarioError
@@ -83,6 +84,12 @@ class Armed:
         return f"{self.site}:{args}" if args else self.site
 
 
+# What each numeric parameter holds, and its least value: checked when a fault is armed, so that a typo is one line
+# before the run instead of an exception inside it (where it would read as the code under test crashing).
+NUMBERS: dict[str, tuple[type, int]] = {"at_step": (int, 0), "rank": (int, 0), "times": (int, 1), "polls": (int, 1),
+                                        "after_posts": (int, 0), "delay_s": (float, 0), "delay": (float, 0)}
+
+
 def validate(site: str, params: dict[str, Any]) -> Armed:
     if site not in SITES:
         raise ScenarioError(f"fault site {site!r} not found; known: {', '.join(SITES)} (see `epsim faults`)")
@@ -90,6 +97,17 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
     if unknown:
         raise ScenarioError(f"fault {site}: no parameter {unknown[0]!r}; it takes: "
                             f"{', '.join(sorted(params_of(site)))}")
+    for key, value in params.items():
+        kind, least = NUMBERS.get(key, (None, 0))
+        if kind is None:
+            continue
+        number = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+        if isinstance(value, bool) or not number or not math.isfinite(value) or value < least:
+            what = "a whole number" if kind is int else "a number of seconds" if key == "delay_s" else "a number"
+            raise ScenarioError(f"fault {site}: {key}={value!r} must be {what} >= {least}")
+    error = params.get("error")
+    if error is not None and error not in NIXL_STATUS:
+        raise ScenarioError(f"fault {site}: error={error!r} is not a NIXL status; use one of {', '.join(NIXL_STATUS)}")
     return Armed(site, dict(params))
 
 

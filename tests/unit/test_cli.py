@@ -110,3 +110,20 @@ def test_output_paths_name_what_is_wrong(tmp_path) -> None:
     assert writable_file(tmp_path / "made" / "c.json", "--out").parent.is_dir()
     assert (tmp_path / "a-file").read_text() == "kept"
     assert not list((tmp_path / "new" / "deeper").iterdir())  # the probe leaves nothing behind
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("gc.late:delay_s=abc", "fault gc.late: delay_s='abc' must be a number of seconds >= 0"),
+    ("gc.late:delay_s=-1", "fault gc.late: delay_s=-1 must be a number of seconds >= 0"),
+    ("nixl.xfer.late:delay=inf", "fault nixl.xfer.late: delay=inf must be a number >= 0"),
+    ("gc.cycle:rank=1.5", "fault gc.cycle: rank=1.5 must be a whole number >= 0"),
+    ("gc.cycle:times=0", "fault gc.cycle: times=0 must be a whole number >= 1"),
+    ("nixl.xfer.fail_after:polls=true", "fault nixl.xfer.fail_after: polls=True must be a whole number >= 1"),
+    ("nixl.register.fail:error=BOGUS", "fault nixl.register.fail: error='BOGUS' is not a NIXL status; use one of"),
+])
+def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, message) -> None:
+    """Before, ``delay_s=abc`` reached the GC controller mid-run and read as the code under test crashing."""
+    done = epsim("run", "steady", "--fault", fault)
+    assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"epsim: error: {message}"), done.stderr
