@@ -81,7 +81,8 @@ def run(
     backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real "
                                             "NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
-    timeout: float = typer.Option(120.0, help="real backend: seconds a rank may take to answer one command"),
+    timeout: float = typer.Option(120.0, min=0.001,
+                                  help="real backend: seconds a rank may take to answer one command"),
     calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
                                                          "`epsim calibrate --out FILE`"),
     ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
@@ -122,7 +123,7 @@ def validate(
     device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM, one process per GPU)"),
     quick: bool = typer.Option(False, "--quick", help="a smaller scenario set (the one CI runs)"),
     catalogue: bool = typer.Option(True, "--catalogue/--no-catalogue", help="run the NIXL behaviour catalogue"),
-    timeout: float = typer.Option(120.0, help="seconds a rank may take to answer one command"),
+    timeout: float = typer.Option(120.0, min=0.001, help="seconds a rank may take to answer one command"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""

@@ -49,16 +49,34 @@ class DatabaseError(EpsimError, RuntimeError):
 
 
 class ResultsDB:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, create: bool = True) -> None:
+        """``create``: make the file and its tables if missing (a sweep); else open an existing epsim results
+        database read-only and refuse anything else (a report must not turn someone's file into a database)."""
         self.path = Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=30.0)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a killed process
-            self._create()
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(str(self.path), timeout=30.0)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a kill
+                self._create()
+            else:
+                self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+                self._check_schema()
         except sqlite3.DatabaseError as exc:
             raise DatabaseError(f"{self.path}: not a usable SQLite results database ({exc})") from None
+
+    def _check_schema(self) -> None:
+        tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not {"meta", "runs"} <= tables:
+            self._db.close()
+            raise DatabaseError(f"{self.path}: not an epsim results database (write one with `epsim sweep ... "
+                                f"--db {self.path}`)")
+        found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if found is None or int(found[0]) != SCHEMA_VERSION:
+            self._db.close()
+            raise DatabaseError(f"{self.path}: results schema {found[0] if found else 'unknown'}, this epsim reads "
+                                f"{SCHEMA_VERSION}")
 
     def _create(self) -> None:
         cols = ", ".join(f"{name} {kind}" for name, kind in _COLUMNS.items())
@@ -124,4 +142,4 @@ def open_existing(path: str | Path) -> ResultsDB:
     """A database that must already exist (``epsim report``): a missing file is an error, not an empty report."""
     if not Path(path).is_file():
         raise DatabaseError(f"{path}: no such results database (write one with `epsim sweep ... --db {path}`)")
-    return ResultsDB(path)
+    return ResultsDB(path, create=False)

@@ -141,3 +141,22 @@ def test_report_of_a_file_that_is_not_a_database_is_one_line(tmp_path: Path) -> 
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "not a usable SQLite results database" in done.stderr
     assert bad.read_text() == "hello, not sqlite"  # nothing written over it
+
+
+def test_report_refuses_an_empty_file_or_another_sqlite_database_and_leaves_them_as_they_were(tmp_path: Path) -> None:
+    """SQLite opens an empty file as an empty database: a report used to write epsim's tables into it."""
+    import sqlite3
+
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x)")
+    before = other.read_bytes()
+    for path in (empty, other):
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "report", str(path)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"epsim: error: {path}: not an epsim results database (write one with `epsim sweep ... --db {path}`)"]
+    assert empty.read_bytes() == b"" and other.read_bytes() == before
+    assert not (tmp_path / "empty-report").exists()
