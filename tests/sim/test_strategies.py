@@ -8,6 +8,7 @@ clock, fake torch.distributed groups.  Expert weights are small CPU float32 tens
 from __future__ import annotations
 
 import collections
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -322,6 +323,24 @@ def test_e_unknown_strategy_lists_the_builtins() -> None:
     assert str(info.value) == ("strategy 'shared_agent' not found; known: per-communicator-agent, arena-registry, "
                                "shared-agent, or package.module:factory")
     assert isinstance(info.value, LookupError)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def create(group, w, b):\n    pass\n", "create(group, w, b) cannot (too many positional arguments)"),
+    ("def create(group, w, b, prev=None, *, extra):\n    pass\n", "cannot (missing a required argument: 'extra')"),
+    ("x = 1\n", "'bad_factory' has no callable 'create'"),
+    ("def create(\n", "importing 'bad_factory' failed: SyntaxError"),
+])
+def test_e_a_factory_that_cannot_be_called_as_workers_call_it_is_refused_at_load(source, message, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """Before, a factory without the fourth argument loaded fine and every rank crashed inside the run."""
+    (tmp_path / "bad_factory.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownStrategy, match=re.escape(message)) as info:
+        plugins.load("bad_factory:create")
+    assert str(info.value).startswith("strategy 'bad_factory:create': ") and "\n" not in str(info.value)
+    for builtin in plugins.BUILTIN:  # the built-ins take what workers pass
+        plugins.load(builtin)
 
 
 def test_e_module_factory_loads_the_broken_strategy() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import itertools
 import os
 import sys
@@ -71,4 +72,21 @@ def load(name: str, fresh: bool = True) -> Callable:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UnknownStrategy(f"strategy {name!r}: {module_name!r} has no callable {factory_name!r}")
+    _check_signature(name, factory)
     return factory
+
+
+def _check_signature(name: str, factory: Callable) -> None:
+    """Workers call ``factory(group, expert_weights, expert_buffer, prev_communicator)``, positionally, as vLLM
+    does; a factory that cannot take that is a bad ``--strategy``, said before the run rather than as a crash of
+    every rank inside it."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (a builtin or an extension type): let the call decide
+        return
+    try:
+        signature.bind(None, None, None, None)
+    except TypeError as exc:
+        raise UnknownStrategy(f"strategy {name!r}: the factory must take (group, expert_weights, expert_buffer, "
+                              f"prev_communicator) positionally; {getattr(factory, '__name__', 'it')}{signature} "
+                              f"cannot ({exc})") from None
