@@ -203,7 +203,6 @@ def calibrate(
         writable_file(out, "--out")
     calibration = cal.measure(device)
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(calibration.model_dump_json(indent=2) + "\n")
     report = {"calibration": calibration.model_dump()}
     if compare:

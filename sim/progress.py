@@ -11,9 +11,9 @@ from __future__ import annotations
 from time import perf_counter as _wall  # the real clock: bound before any run patches the time module
 
 from rich.console import Console
-from rich.table import Column
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from rich.table import Column
 
 _EVERY_S = 0.25  # redraw at most this often (wall seconds)
 
