@@ -73,10 +73,15 @@ class ResultsDB:
             raise DatabaseError(f"{self.path}: not an epsim results database (write one with `epsim sweep ... "
                                 f"--db {self.path}`)")
         found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if found is None or int(found[0]) != SCHEMA_VERSION:
+        try:
+            self._same_schema("unknown" if found is None else found[0])
+        except DatabaseError:
             self._db.close()
-            raise DatabaseError(f"{self.path}: results schema {found[0] if found else 'unknown'}, this epsim reads "
-                                f"{SCHEMA_VERSION}")
+            raise
+
+    def _same_schema(self, found: str) -> None:
+        if found != str(SCHEMA_VERSION):
+            raise DatabaseError(f"{self.path}: results schema {found}, this epsim reads {SCHEMA_VERSION}")
 
     def _create(self) -> None:
         cols = ", ".join(f"{name} {kind}" for name, kind in _COLUMNS.items())
@@ -85,8 +90,8 @@ class ResultsDB:
             found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if found is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(found[0]) != SCHEMA_VERSION:
-                raise DatabaseError(f"{self.path}: results schema {found[0]}, this epsim reads {SCHEMA_VERSION}")
+            else:
+                self._same_schema(found[0])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, {cols})")
             self._db.execute("CREATE TABLE IF NOT EXISTS sweeps (id INTEGER PRIMARY KEY, command TEXT NOT NULL, "
                              "planned INTEGER NOT NULL, started_at REAL NOT NULL)")

@@ -160,3 +160,19 @@ def test_report_refuses_an_empty_file_or_another_sqlite_database_and_leaves_them
             f"epsim: error: {path}: not an epsim results database (write one with `epsim sweep ... --db {path}`)"]
     assert empty.read_bytes() == b"" and other.read_bytes() == before
     assert not (tmp_path / "empty-report").exists()
+
+
+def test_a_results_database_of_another_schema_is_refused_by_report_and_sweep(tmp_path: Path) -> None:
+    import sqlite3
+
+    from sim import resultsdb
+
+    path = tmp_path / "old.db"
+    with resultsdb.ResultsDB(path):
+        pass
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value='0' WHERE key='schema'")
+    for opened in (lambda: resultsdb.open_existing(path), lambda: resultsdb.ResultsDB(path)):
+        with pytest.raises(resultsdb.DatabaseError, match=f"{path}: results schema 0, this epsim reads "
+                                                           f"{resultsdb.SCHEMA_VERSION}"):
+            opened()
