@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -468,6 +470,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     atexit.register(_quiet_fake_nixl)
     fast = argv is None  # the program itself, not a caller that goes on running in this process
+    if fast and hasattr(faulthandler, "register"):  # `kill -USR1 PID`: every thread's stack on stderr, run goes on
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         # Without standalone mode click returns a command's exit status instead of exiting.
         status = app(args=argv, standalone_mode=False, prog_name="epsim")

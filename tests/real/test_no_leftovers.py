@@ -68,14 +68,17 @@ def test_a_killed_rank_and_its_peers_are_all_gone_after_the_run(tmp_path):
     assert wait_gone(ranks, 5.0) == set()
 
 
-def _start_long_run() -> tuple[subprocess.Popen, set[int]]:
+def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set[int]]:
     """A real elastic-cycle run made long enough to interrupt, once all four rank processes are up.  Serving steps
     take no wall time on the real backend, rebalances do: with one every 200 steps the run lasts minutes from its
     first scale-up on.  (With one every 100,000 it lasted 12 s, and four ranks were sometimes first seen in its
     last seconds: the signal then came after the verdict, and the run exited 1.)"""
+    # Output to files when given: waiting for the parent must not depend on who else holds its pipes.
+    out = (tmp_path / "stdout").open("w") if tmp_path else subprocess.PIPE
+    err = (tmp_path / "stderr").open("w") if tmp_path else subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", "elastic-cycle", "--backend", "real",
                              "--set", "steps=400000", "--set", "eplb.step_interval=200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=out, stderr=err, text=True)
     deadline = time.monotonic() + 120
     seen: set[int] = set()
     while time.monotonic() < deadline and proc.poll() is None:
@@ -83,15 +86,25 @@ def _start_long_run() -> tuple[subprocess.Popen, set[int]]:
         if len([p for p in seen if living(p)]) >= 4:  # scale-up to EP4 happened: 4 ranks alive
             break
         time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    assert proc.poll() is None, (tmp_path / "stderr").read_text()[-2000:] if tmp_path else proc.communicate()[1]
     return proc, seen
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
-def test_an_interrupted_parent_stops_every_rank(how):
-    proc, ranks = _start_long_run()
+def test_an_interrupted_parent_stops_every_rank(how, tmp_path):
+    proc, ranks = _start_long_run(tmp_path)
     proc.send_signal(getattr(signal, how))
-    out, err = proc.communicate(timeout=60)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:  # say where it is stuck (epsim dumps its threads' stacks on SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        left = sorted(p for p in descendants(proc.pid) if living(p))
+        for p in [proc.pid, *left]:
+            os.kill(p, signal.SIGKILL)
+        pytest.fail(f"epsim still running 90 s after {how}; living descendants {left}; its stderr ends with:\n"
+                    + (tmp_path / "stderr").read_text()[-6000:])
+    out, err = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, (out[-2000:], err[-2000:])  # stdout too: a run that ended by itself prints there
     assert err.strip().splitlines()[-1] == "epsim: interrupted"
     assert "Traceback" not in err
