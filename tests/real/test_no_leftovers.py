@@ -76,9 +76,12 @@ def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set
     # Output to files when given: waiting for the parent must not depend on who else holds its pipes.
     out = (tmp_path / "stdout").open("w") if tmp_path else subprocess.PIPE
     err = (tmp_path / "stderr").open("w") if tmp_path else subprocess.PIPE
+    # SIGINT at its default: a shell without job control starts background jobs with SIGINT ignored, and Python
+    # then keeps ignoring it, so a test run launched with `&` would see the run shrug off the ^C it sends.
     proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", "elastic-cycle", "--backend", "real",
                              "--set", "steps=400000", "--set", "eplb.step_interval=200"],
-                            stdout=out, stderr=err, text=True)
+                            stdout=out, stderr=err, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     seen: set[int] = set()
     while time.monotonic() < deadline and proc.poll() is None:
