@@ -70,9 +70,9 @@ def test_a_killed_rank_and_its_peers_are_all_gone_after_the_run(tmp_path):
 
 def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set[int]]:
     """A real elastic-cycle run made long enough to interrupt, once all four rank processes are up.  Serving steps
-    take no wall time on the real backend, rebalances do: with one every 200 steps the run lasts minutes from its
-    first scale-up on.  (With one every 100,000 it lasted 12 s, and four ranks were sometimes first seen in its
-    last seconds: the signal then came after the verdict, and the run exited 1.)"""
+    take no wall time on the real backend, rebalances do: with one every 200 steps the run lasts over a minute from
+    its first scale-up on (with one every 100,000 it lasted 12 s in all, leaving little margin after four ranks are
+    first seen)."""
     # Output to files when given: waiting for the parent must not depend on who else holds its pipes.
     out = (tmp_path / "stdout").open("w") if tmp_path else subprocess.PIPE
     err = (tmp_path / "stderr").open("w") if tmp_path else subprocess.PIPE
