@@ -59,6 +59,11 @@ class _Verdict:
         return short(self.result)
 
 
+def _table(heads: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table: its header, the rule under it, a line per row (the three tables here)."""
+    return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def _first_of_each_kind(cells: list, kind: Callable[[Any], Any], label: Callable[[Any], str]) -> list[str]:
     """A line with the oracle's words for the first failing cell of each ``kind``."""
     seen, out = set(), []
@@ -119,12 +124,9 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
            f"retired group's manager destroys its buffers on a background thread after the switch. "
            f"{DEEPEP_STRATEGY} on {DEEPEP_PROFILE}, seed {SEED}; rows: all2all backend x NVSHMEM build "
            "(`all2all.backend`, `all2all.nvshmem`).", ""]
-    labels = [c[0] for c in DEEPEP_COLUMNS]
-    out.append("| backend | NVSHMEM | " + " | ".join(labels) + " |")
-    out.append("|---|---|" + "---|" * len(labels))
-    for backend, nvshmem in DEEPEP_ROWS:
-        row = [c for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem)]
-        out.append(f"| {backend} | {nvshmem} | " + " | ".join(c.short for c in row) + " |")
+    out += _table(["backend", "NVSHMEM", *(c[0] for c in DEEPEP_COLUMNS)],
+                  [[backend, nvshmem, *(c.short for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem))]
+                   for backend, nvshmem in DEEPEP_ROWS])
     out += ["", "What the cells say. Low latency runs over NVSHMEM: the new group's buffers are made after the "
             "cleanup destroyed the old ones, so the count reaches zero first; stock NVSHMEM then reuses the old "
             "world (its size), the elastic patch bootstraps a new one, and MI355's build refuses to initialise "
@@ -163,12 +165,9 @@ def render_stream_lag(cells: list[StreamCell]) -> str:
            f"behind its copies for every rebalance, as a busy GPU does (`sim/device.py`); {STREAM_PROFILE} profile, "
            f"seed {SEED}. The last row is shared-agent with `torch.cuda.current_stream().synchronize()` before each "
            f"layer's READs (`{STREAM_SYNCED}`).", ""]
-    out.append("| strategy | " + " | ".join(SCENARIOS) + " |")
-    out.append("|---|" + "---|" * len(SCENARIOS))
-    for strategy in STREAM_STRATEGIES:
-        row = [c for c in cells if c.strategy == strategy]
-        label = "shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy
-        out.append(f"| {label} | " + " | ".join(c.short for c in row) + " |")
+    out += _table(["strategy", *SCENARIOS],
+                  [["shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy,
+                    *(c.short for c in cells if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])
     out += ["", "What the cells say. A layer's READs land in `expert_buffer` while the previous layer's copy out of "
             "it still waits on the stream, so a row ends up holding a later layer's expert: every built-in strategy "
             "fails the weight check in every scenario, whatever its agent lifecycle. The synchronized variant "
@@ -219,15 +218,14 @@ def render(cells: list[Cell]) -> str:
         sc = load(name)
         out += [f"## {name}", "", " ".join(sc.description.split()), ""]
         faults = list(dict.fromkeys(c.fault for c in cells if c.scenario == name))
-        out.append("| strategy | profile | " + " | ".join(f or "no fault" for f in faults) + " | duplicate registrations |")
-        out.append("|---|---|" + "---|" * len(faults) + "---|")
+        rows = []
         for strategy in dict.fromkeys(c.strategy for c in cells):
             for profile in dict.fromkeys(c.profile for c in cells):
                 row = [c for c in cells if (c.scenario, c.strategy, c.profile) == (name, strategy, profile)]
-                if not row:
-                    continue
-                dup = row[0].result.metrics.get("duplicate_registrations", 0)
-                out.append(f"| {strategy} | {profile} | " + " | ".join(c.short for c in row) + f" | {dup} |")
+                if row:
+                    dup = row[0].result.metrics.get("duplicate_registrations", 0)
+                    rows.append([strategy, profile, *(c.short for c in row), str(dup)])
+        out += _table(["strategy", "profile", *(f or "no fault" for f in faults), "duplicate registrations"], rows)
         out.append("")
     failing = [c for c in cells if c.result.verdict != "pass"]
     out += ["## Why each failing cell fails", "",
