@@ -173,7 +173,8 @@ def render_stream_lag(cells: list[StreamCell]) -> str:
             "fails the weight check in every scenario, whatever its agent lifecycle. The synchronized variant "
             "fails only where shared-agent fails without a lag (departed peers kept; the rank that never answers). "
             "On an H200 pair the same lag on scale-up 2->3 gives the simulation's verdict, and in five runs of six "
-            "its first wrong row; the race has also happened there twice with no lag at all (`docs/validation.md`).",
+            "its first wrong row; the race has also happened with no lag at all, twice on H200 pairs and six times in "
+            "three validations on one H200 shared by every rank (`docs/validation.md`).",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
     out += _first_of_each_kind(cells, lambda c: (c.result.invariant, c.strategy == STREAM_SYNCED),
                                lambda c: f"{c.strategy} / {c.scenario}")
