@@ -609,7 +609,8 @@ def handle_keeps_agent_alive(b: Backend):
 def target_destroyed_in_flight(b: Backend):
     """Row 26 (tcp): a READ still in flight (the first one on a new connection) when its target is destroyed
     raises RemoteDisconnect at the next check, and keeps raising it."""
-    a, t, bb, u = _pair(b, 512 << 20)  # long enough over tcp to outlast the destructor (~0.1 s)
+    # Long enough over tcp to outlast the destructor (~0.1 s): 512 MiB once finished first on a 2-core CI machine.
+    a, t, bb, u = _pair(b, 1 << 30)
     h, first = _read(b, bb, u, t)
     del a
     b.collect()
