@@ -17,7 +17,9 @@ import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
 from . import faults as fault_catalogue
@@ -29,6 +31,28 @@ FORMAT = 1
 
 class BundleError(EpsimError, ValueError):
     """A folder that is not a readable failure bundle."""
+
+
+class _Config(BaseModel):
+    """What a replay reads from failure.json's ``config`` (the other keys are for people)."""
+
+    model_config = ConfigDict(strict=True)
+    seed: int = Field(ge=0, le=2**63 - 1)
+    strategy: str = Field(min_length=1)
+    profile: str = Field(min_length=1)
+    faults: list[str]
+
+
+class _Outcome(BaseModel):
+    signature: Optional[str]
+    trace_hash: str
+
+
+class _Stored(BaseModel):
+    """The parts of failure.json that replay and shrink use, checked on load so that a damaged file costs one line."""
+
+    config: _Config
+    outcome: _Outcome
 
 
 @dataclass
@@ -70,12 +94,11 @@ def slug(signature: str) -> str:
 def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faults: list[str],
                  extra: dict[str, Any] | None = None):
     """Run the configuration once more with its history written into ``path``, then write failure.json; returns
-    the run's :class:`~sim.run.Result`."""
+    the run's :class:`~sim.run.Result`.  A bundle already at ``path`` has its own files replaced; nothing else there
+    is removed (the commands check the folder first, :func:`sim.outputs.bundle_dir`)."""
     from .run import run_scenario
 
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     bare = scenario_mod.with_overrides(sc, faults=[])
     scenario_mod.dump(bare, path / "scenario.yaml")
     result = run_scenario(bare, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=path)
@@ -101,7 +124,7 @@ def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faul
 def write(spec, row: dict[str, Any], bundles_dir: Path) -> Path:
     """The bundle of a sweep's failing run ``row`` (its spec ``spec``), in ``bundles_dir``."""
     sc = spec.load_scenario()
-    path = Path(bundles_dir) / f"{slug(row['signature'])}-seed{spec.seed}"
+    path = _free(Path(bundles_dir) / f"{slug(row['signature'])}-seed{spec.seed}")
     result = write_config(path, sc, seed=spec.seed, strategy=spec.strategy, profile=spec.profile,
                           faults=list(row["faults_armed"]),
                           extra={"found_by": {"run_key": row["run_key"], "trace_hash": row["trace_hash"]}})
@@ -113,6 +136,16 @@ def write(spec, row: dict[str, Any], bundles_dir: Path) -> Path:
     return path
 
 
+def _free(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... whichever does not exist yet: a bundle an earlier sweep left under the
+    same name is what that sweep's database points at, so it is never replaced."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
 def load(path: str | Path) -> Bundle:
     path = Path(path)
     meta = path / "failure.json"
@@ -122,11 +155,22 @@ def load(path: str | Path) -> Bundle:
         data = json.loads(meta.read_text())
     except ValueError as exc:
         raise BundleError(f"{meta}: not valid JSON ({exc})") from None
-    if data.get("format") != FORMAT or "config" not in data or "outcome" not in data:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{meta}: not a failure bundle of format {FORMAT}")
+    try:
+        _Stored.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise BundleError(f"{meta}: {where}: {err['msg'].split(' or instance of')[0]}") from None
     if not (path / "scenario.yaml").is_file():
         raise BundleError(f"{path}: scenario.yaml is missing")
-    return Bundle(path, data)
+    b = Bundle(path, data)
+    try:
+        b.faults()
+    except EpsimError as exc:
+        raise BundleError(f"{meta}: {exc}") from None
+    return b
 
 
 CORPUS_FILES = ("failure.json", "scenario.yaml", "tape.json")  # what replaying needs (history and trace are big)
@@ -137,12 +181,14 @@ def save_to_corpus(path: str | Path, corpus: str | Path) -> Path:
     there).  Only what a replay needs is kept, and its commands point at the copy."""
     b = load(path)
     target = Path(corpus) / b.path.name
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
+    if target.resolve() == b.path.resolve():
+        return target  # already in the corpus
+    target.mkdir(parents=True, exist_ok=True)  # a bundle of that name there is replaced file by file
     for name in CORPUS_FILES:
         if (b.path / name).is_file():
             shutil.copyfile(b.path / name, target / name)
+        elif (target / name).is_file():
+            (target / name).unlink()  # the replaced bundle's, not this one's
     data = dict(b.data)
     data["replay"] = f"epsim replay {shlex.quote(str(target))}"
     data["run"] = data["run"].replace(str(b.path / "scenario.yaml"), shlex.quote(str(target / "scenario.yaml")))

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -18,8 +19,8 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__
-from .errors import EpsimError
-from .outputs import writable_dir, writable_file
+from .errors import BadOutput, EpsimError
+from .outputs import bundle_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
 
@@ -195,7 +196,6 @@ def calibrate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Measure the real backend's READ and collective timing; report how far the simulation's times are off."""
-    from pathlib import Path
 
     from real_backends import calibrate as cal
     from real_backends.nixl_real import require_real
@@ -278,7 +278,6 @@ def sweep(
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
     import shlex
-    from pathlib import Path
 
     from . import engines, resultsdb
     from . import sweep as sweep_mod
@@ -286,6 +285,7 @@ def sweep(
 
     specs = sweep_mod.plan(scenario, sweep_mod.parse_seeds(seeds), strategy, profile, fault, swarm)
     eng = engines.make(engine, workers, timeout, ray_address)
+    writable_file(db, "--db")
     bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
     if bundles is not None:  # the default sits next to --db, which the results database checks itself
         writable_dir(bundles, "--bundles")
@@ -318,6 +318,8 @@ def replay(
     from . import bundle as bundle_mod
 
     if out is not None:
+        if Path(out).resolve() == Path(bundle).resolve():  # the bundle's own history would give way to the replay's
+            raise BadOutput(f"--out {out}: that is the bundle being replayed; give another directory")
         writable_dir(out, "--out")
     rep = bundle_mod.replay(bundle, out)
     exp, r = rep.bundle.expected, rep.result
@@ -353,10 +355,17 @@ def shrink(
 
     from . import bundle as bundle_mod
 
-    for path, option in ((out, "--out"), (corpus, "--corpus")):
-        if path is not None:
-            writable_dir(path, option)
-    res = shrink_mod.shrink(bundle, out, max_runs=max_runs, on_step=show)
+    bundle_mod.load(bundle)  # a folder that is not a bundle costs one line here, not after the --out checks
+    target = Path(out) if out is not None else shrink_mod.default_target(bundle)
+    bundle_dir(target, "--out" if out is not None else "the default --out", source=bundle)
+    if corpus is not None:
+        writable_dir(corpus, "--corpus", files=())
+        bundle_dir(Path(corpus) / target.name, "--corpus", source=bundle, make=False)
+    try:
+        res = shrink_mod.shrink(bundle, target, max_runs=max_runs, on_step=show)
+    except shrink_mod.NotReproduced as exc:
+        typer.echo(f"not shrunk: {exc}", err=True)
+        raise typer.Exit(1) from None
     saved = str(bundle_mod.save_to_corpus(res.bundle, corpus)) if corpus else None
     before, after = res.original.size(), res.final.size()
     names = ("faults", "elastic events", "peak ranks", "layers", "steps")
@@ -379,7 +388,6 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Summarise a results database: verdicts, failures by signature, fault coverage, plots."""
-    from pathlib import Path
 
     from rich.console import Console
 
@@ -387,11 +395,13 @@ def report(
     from . import resultsdb
     from .errors import BackendUnavailable
 
+    folder = Path(plots) if plots else Path(db).with_name(Path(db).stem + "-report")
     with resultsdb.open_existing(db) as database:
+        if not no_plots:  # before the summary's work: a bad folder is one line
+            writable_dir(folder, "--plots" if plots else "the default --plots", files=report_mod.PLOTS)
         summary = report_mod.summarise(database)
     written: list[str] = []
     if not no_plots:
-        folder = Path(plots) if plots else Path(db).with_name(Path(db).stem + "-report")
         try:
             written = [str(p) for p in report_mod.plot(summary, folder)]
         except BackendUnavailable as exc:

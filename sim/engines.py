@@ -19,7 +19,7 @@ from collections import deque
 from multiprocessing.connection import wait
 from typing import Any, Iterable, Iterator
 
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, ScenarioError
 from .sweep import RunSpec, execute, failed_row
 
 
@@ -154,7 +154,11 @@ class RayEngine:
         if ray.is_initialized():
             return
         if self.address:
-            ray.init(address=self.address, log_to_driver=False)
+            try:
+                ray.init(address=self.address, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise BackendUnavailable(f"--ray-address {self.address}: cannot join that Ray cluster "
+                                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         else:
             ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
 
@@ -195,9 +199,9 @@ class RayEngine:
 
 def make(name: str, workers: int | None, timeout: float | None, address: str | None = None):
     if name == "local":
+        if address is not None:
+            raise ScenarioError("--ray-address is for --engine ray; the local engine runs on this machine")
         return LocalEngine(workers, timeout)
     if name == "ray":
         return RayEngine(workers, timeout, address)
-    from .errors import ScenarioError
-
     raise ScenarioError(f"--engine {name!r}: use local or ray")

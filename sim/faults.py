@@ -119,6 +119,8 @@ def parse(text: str) -> Armed:
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise ScenarioError(f"--fault {text!r}: parameters are k=v separated by commas")
+        if key.strip() in params:
+            raise ScenarioError(f"--fault {text!r}: {key.strip()} is given twice")
         params[key.strip()] = _value(raw.strip())
     return validate(site.strip(), params)
 

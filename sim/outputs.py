@@ -1,4 +1,5 @@
-"""Output paths checked before the work that fills them: a bad ``--out`` must cost one line, not a finished run.
+"""Output paths checked before the work that fills them: a bad ``--out`` must cost one line, not a finished run,
+and nothing already written may be lost.
 
 Every command that writes files (``run``, ``replay``, ``shrink``, ``calibrate``, ``sweep``) asks here first; the
 answer is the path, made if missing, or :class:`~sim.errors.BadOutput` naming the option and the reason.
@@ -8,26 +9,63 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 from .errors import BadOutput
 
+# What a run writes into its --out folder (sim/run.py, real_backends/run.py) and a bundle holds beside failure.json.
+RUN_FILES = ("history.jsonl", "trace.perfetto.json", "tape.json")
 
-def writable_dir(path: str | Path, option: str) -> Path:
-    """``path`` as a directory this process can write into (made, with its parents, if missing)."""
-    p = Path(path)
+
+def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES) -> Path:
+    """``path`` as a directory this process can write into (made, with its parents, if missing), in which none of
+    ``files`` (the names the command will write) is a directory."""
+    p = _nonempty(path, option)
     if p.exists() and not p.is_dir():
         raise BadOutput(f"{option} {path}: that is a file; give a directory (it is made if missing)")
+    for name in files:
+        if (p / name).is_dir():
+            raise BadOutput(f"{option} {path}: {name} there is a directory, where epsim writes a file of that name")
     _ensure(p, f"{option} {path}")
     return p
 
 
 def writable_file(path: str | Path, option: str) -> Path:
     """``path`` as a file this process can create or replace (its directory made if missing)."""
-    p = Path(path)
+    p = _nonempty(path, option)
     if p.is_dir():
         raise BadOutput(f"{option} {path}: that is a directory; give a file name")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise BadOutput(f"{option} {path}: {parent} is a file, not a directory")
+            break
     _ensure(p.parent, f"{option} {path}")
     return p
+
+
+def bundle_dir(path: str | Path, option: str, *, source: str | Path | None = None, make: bool = True) -> Path:
+    """``path`` as a folder a failure bundle may be written into: new, empty, or a bundle (whose own files are
+    replaced, other files kept); never the bundle ``source`` being read, nor a folder that holds it.  ``make``:
+    make it now if missing (else only check what is there)."""
+    p = _nonempty(path, option)
+    if make or p.exists():
+        writable_dir(p, option, files=("failure.json", "scenario.yaml", *RUN_FILES))
+    if source is not None:
+        src, dst = Path(source).resolve(), p.resolve()
+        if src == dst or dst in src.parents:
+            raise BadOutput(f"{option} {path}: that {'is' if src == dst else 'holds'} the bundle being read "
+                            f"({source}); give another directory")
+    if p.is_dir() and any(p.iterdir()) and not (p / "failure.json").is_file():
+        raise BadOutput(f"{option} {path}: the directory holds other files and is not a failure bundle; give a new "
+                        f"or empty directory, or a bundle to replace")
+    return p
+
+
+def _nonempty(path: str | Path, option: str) -> Path:
+    if not str(path).strip():
+        raise BadOutput(f"{option}: an empty path; give a name")
+    return Path(path)
 
 
 def _ensure(directory: Path, what: str) -> None:

@@ -115,6 +115,9 @@ def render(summary: Summary, console) -> None:
         console.print(t)
 
 
+PLOTS = ("failure_rate_by_site.png", "verdicts_by_config.png")  # what plot() writes
+
+
 def plot(summary: Summary, folder: str | Path) -> list[Path]:
     """Write the PNGs into ``folder``; returns their paths."""
     try:
@@ -137,7 +140,7 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     ax.set_title(f"failure rate per fault site ({summary.runs} runs)")
     ax.tick_params(axis="x", labelrotation=45)
     fig.tight_layout()
-    path = folder / "failure_rate_by_site.png"
+    path = folder / PLOTS[0]
     data = {s: {"armed": summary.armed[s], "failed": summary.failed_when_armed[s], "rate": round(r, 4)}
             for s, r in zip(sites, rates)}
     fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data, sort_keys=True)})
@@ -158,7 +161,7 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     ax.set_title("verdicts per strategy x profile")
     ax.legend()
     fig.tight_layout()
-    path = folder / "verdicts_by_config.png"
+    path = folder / PLOTS[1]
     data = {f"{st}/{pr}": dict(sorted(summary.by_config[(st, pr)].items())) for st, pr in configs}
     fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data, sort_keys=True)})
     plt.close(fig)

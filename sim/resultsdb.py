@@ -52,9 +52,22 @@ class ResultsDB:
     def __init__(self, path: str | Path, create: bool = True) -> None:
         """``create``: make the file and its tables if missing (a sweep); else open an existing epsim results
         database read-only and refuse anything else (a report must not turn someone's file into a database)."""
+        if not str(path).strip():
+            raise DatabaseError("--db: an empty path; give a file name")
         self.path = Path(path)
+        if self.path.is_dir():
+            raise DatabaseError(f"{self.path}: that is a directory; give a file name")
         try:
             if create:
+                if self.path.is_file() and self.path.stat().st_size:
+                    # Someone's file stays as it was unless it is already one of ours (WAL mode alone rewrites it).
+                    try:
+                        ResultsDB(self.path, create=False).close()
+                    except DatabaseError as exc:
+                        if "not an epsim results database" not in str(exc):
+                            raise
+                        raise DatabaseError(f"{self.path}: a file that is not an epsim results database; give a new "
+                                            f"file, or one that epsim sweep wrote") from None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(str(self.path), timeout=30.0)
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -65,6 +78,8 @@ class ResultsDB:
                 self._check_schema()
         except sqlite3.DatabaseError as exc:
             raise DatabaseError(f"{self.path}: not a usable SQLite results database ({exc})") from None
+        except OSError as exc:
+            raise DatabaseError(f"{self.path}: cannot open it ({exc.strerror or exc})") from None
 
     def _check_schema(self) -> None:
         tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -75,6 +90,11 @@ class ResultsDB:
         found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         try:
             self._same_schema("unknown" if found is None else found[0])
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(runs)")]
+            missing = [c for c in _COLUMNS if c not in columns]
+            if missing:
+                raise DatabaseError(f"{self.path}: its runs table lacks {', '.join(missing)}; not a results database "
+                                    f"of schema {SCHEMA_VERSION}")
         except DatabaseError:
             self._db.close()
             raise
@@ -138,13 +158,28 @@ class ResultsDB:
         return int(self._db.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
 
     def rows(self, where: str = "", params: Iterable[Any] = ()) -> Iterator[dict[str, Any]]:
-        cur = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY id", tuple(params))
-        for values in cur:
-            yield {c: (json.loads(v) if c in _JSON and v is not None else v) for c, v in zip(_COLUMNS, values)}
+        cur = self._db.execute(f"SELECT id, {', '.join(_COLUMNS)} FROM runs {where} ORDER BY id", tuple(params))
+        for row_id, *values in cur:
+            try:
+                yield {c: (json.loads(v) if c in _JSON and v is not None else v) for c, v in zip(_COLUMNS, values)}
+            except ValueError:
+                bad = next(c for c, v in zip(_COLUMNS, values) if c in _JSON and v is not None and not _is_json(v))
+                raise DatabaseError(f"{self.path}: run {row_id}'s {bad} is not JSON; the database was changed by "
+                                    f"something other than epsim") from None
+
+
+def _is_json(text: Any) -> bool:
+    try:
+        json.loads(text)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def open_existing(path: str | Path) -> ResultsDB:
     """A database that must already exist (``epsim report``): a missing file is an error, not an empty report."""
+    if Path(path).is_dir():
+        raise DatabaseError(f"{path}: that is a directory; give a results database file")
     if not Path(path).is_file():
         raise DatabaseError(f"{path}: no such results database (write one with `epsim sweep ... --db {path}`)")
     return ResultsDB(path, create=False)

@@ -37,6 +37,11 @@ class ShrinkResult:
     removed: list[str] = field(default_factory=list)
     runs: int = 0
     bundle: Path | None = None
+    last_signature: str | None = None  # the last candidate run's
+
+
+class NotReproduced(RuntimeError):
+    """The bundle's own configuration does not fail as the bundle says (another version, a changed strategy)."""
 
 
 def _variant(sc, **changes: Any):
@@ -94,6 +99,12 @@ def _candidates(cur: Candidate) -> Iterator[Candidate]:
                 yield Candidate(v, faults, f"{sc.steps - steps} of {sc.steps} steps")
 
 
+def default_target(path: str | Path) -> Path:
+    """Where a shrunk bundle goes without ``--out``: beside the bundle, its name with ``-shrunk`` appended."""
+    path = Path(path)
+    return path.with_name(path.name + "-shrunk")
+
+
 def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 200,
            on_step: Callable[[str, bool], None] | None = None) -> ShrinkResult:
     """Shrink the bundle at ``path``; the smallest failing configuration is written as a new bundle at ``out``
@@ -110,8 +121,12 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
     def fails_the_same(cand: Candidate) -> bool:
         result.runs += 1
         r = run_scenario(cand.scenario, seed=seed, strategy=strategy, profile=profile, faults=list(cand.faults))
+        result.last_signature = r.signature
         return r.signature == want
 
+    if not fails_the_same(cur):  # a bundle that no longer fails so has nothing to keep while shrinking
+        raise NotReproduced(f"{b.path} no longer fails as {want}: the run gives {result.last_signature}; "
+                            f"`epsim replay {b.path}` shows the run")
     progress = True
     while progress and result.runs < max_runs:
         progress = False
@@ -127,7 +142,7 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
                 progress = True
                 break  # candidates are recomputed from the smaller configuration
     result.final = cur
-    target = Path(out) if out is not None else b.path.with_name(b.path.name + "-shrunk")
+    target = Path(out) if out is not None else default_target(b.path)
     bundle_mod.write_config(target, cur.scenario, seed=seed, strategy=strategy, profile=profile,
                             faults=cur.faults, extra={"shrunk_from": str(b.path), "removed": result.removed,
                                                       "shrink_runs": result.runs})

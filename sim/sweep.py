@@ -52,6 +52,10 @@ class RunSpec:
         return scenario_mod.from_dict(yaml.safe_load(self.scenario_yaml), self.scenario)
 
 
+MAX_SEED = 2**63 - 1  # SQLite's INTEGER
+MAX_RUNS = 1_000_000  # the plan is held in memory (about a kilobyte per run); a sweep that size takes days anyway
+
+
 def parse_seeds(text: str) -> range:
     """``A:B`` (B excluded, as Python's ranges) or a single seed ``N``."""
     found = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
@@ -61,6 +65,11 @@ def parse_seeds(text: str) -> range:
     hi = int(found.group(2)) if found.group(2) is not None else lo + 1
     if hi <= lo:
         raise ScenarioError(f"--seeds {text!r}: B must be greater than A")
+    if hi - 1 > MAX_SEED:
+        raise ScenarioError(f"--seeds {text!r}: seeds go up to {MAX_SEED} (what the results database stores)")
+    if hi - lo > MAX_RUNS:
+        raise ScenarioError(f"--seeds {text!r}: {hi - lo} seeds; one sweep plans at most {MAX_RUNS:,} runs, so split "
+                            f"it (--resume continues a database)")
     return range(lo, hi)
 
 
@@ -81,6 +90,9 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
     for s in strategies:
         plugins.load(s)  # a missing strategy is one line now, not two thousand failed runs
     faults = tuple(str(fault_catalogue.parse(f)) for f in faults)  # checked, and written one way
+    if len(seeds) * len(strategies) * len(profiles) > MAX_RUNS:
+        raise ScenarioError(f"{len(seeds)} seeds x {len(strategies)} strategies x {len(profiles)} profiles: one sweep "
+                            f"plans at most {MAX_RUNS:,} runs, so split it (--resume continues a database)")
     return [RunSpec(sc.name, text, seed, strategy, profile, faults, swarm)
             for seed in seeds for strategy in strategies for profile in profiles]
 
