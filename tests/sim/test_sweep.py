@@ -140,8 +140,17 @@ def test_cli_sweep_bad_input_is_one_line(tmp_path: Path) -> None:
     for args, message in [(("--seeds", "5:2"), "B must be greater than A"),
                           (("--seeds", "0:2", "--engine", "mpi"), "--engine 'mpi'"),
                           (("--seeds", "0:2", "--strategy", "nope"), "nope"),
-                          (("--seeds", "0:2", "--fault", "gc.bogus"), "gc.bogus")]:
-        done = epsim("sweep", "steady", *args, "--db", str(tmp_path / "x.db"))
+                          (("--seeds", "0:2", "--fault", "gc.bogus"), "gc.bogus"),
+                          (("--seeds", "0:2", "--fault", "gc.late:delay_s=1,delay_s=2"), "delay_s is given twice"),
+                          # the plan would be built in memory until MemoryError
+                          (("--seeds", "0:10000000000000"), "one sweep plans at most 1,000,000 runs"),
+                          (("--seeds", "0:400000", "--profile", "dram", "--profile", "cuda", "--profile", "rdma"),
+                           "400000 seeds x 1 strategies x 3 profiles"),
+                          (("--seeds", "9223372036854775807:9223372036854775809"), "seeds go up to"),
+                          (("--seeds", "0:1", "--ray-address", "localhost:1"), "--ray-address is for --engine ray"),
+                          (("--seeds", "0:1", "--db", ""), "--db: an empty path"),
+                          (("--seeds", "0:1", "--db", str(tmp_path)), "that is a directory")]:
+        done = epsim("sweep", "steady", *args, *(() if "--db" in args else ("--db", str(tmp_path / "x.db"))))
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
     done = epsim("replay", str(tmp_path))
@@ -174,3 +183,38 @@ def test_ray_engine_records_crashed_and_hung_runs() -> None:
     finally:
         ray_engine.ray.shutdown()
     assert [rows[s.key]["verdict"] for s in specs] == ["worker_crash", "timeout", "pass"]
+
+
+@pytest.mark.parametrize("tables", [["CREATE TABLE foo (x)"], ["CREATE TABLE runs (x)"]])
+def test_a_sweep_leaves_a_sqlite_file_of_something_else_as_it_was(tmp_path: Path, tables: list[str]) -> None:
+    db = tmp_path / "theirs.db"
+    with sqlite3.connect(db) as c:
+        for sql in tables:
+            c.execute(sql)
+    before = db.read_bytes()
+    done = epsim("sweep", "steady", "--seeds", "0:1", "--db", str(db))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"epsim: error: {db}: a file that is not an epsim results database; "
+                                                "give a new file, or one that epsim sweep wrote"]
+    assert db.read_bytes() == before and not (tmp_path / "theirs.db-wal").exists()
+
+
+def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
+    changed = tmp_path / "changed.db"
+    changed.write_bytes(db.read_bytes())
+    with sqlite3.connect(changed) as c:
+        c.execute("UPDATE runs SET faults_armed='not json' WHERE id=2")
+    done = epsim("report", str(changed), "--no-plots")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"epsim: error: {changed}: run 2's faults_armed is not JSON; the "
+                                                "database was changed by something other than epsim"]
+    with sqlite3.connect(changed) as c:
+        c.execute("ALTER TABLE runs DROP COLUMN metrics")
+    for args in (("report", str(changed)), ("sweep", "steady", "--seeds", "0:3", "--resume", "--db", str(changed))):
+        done = epsim(*args)
+        assert done.returncode == 2 and "its runs table lacks metrics" in done.stderr, done.stderr
+    (tmp_path / "r-report").write_text("a file where the plots would go")
+    done = epsim("report", str(db))
+    assert done.returncode == 2 and "the default --plots" in done.stderr and "that is a file" in done.stderr
