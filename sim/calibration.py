@@ -20,7 +20,7 @@ from .errors import ScenarioError
 
 
 class Calibration(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite READ time would never finish
 
     xfer_latency_s: float = Field(ge=0, description="fixed cost of one READ (post to DONE), seconds")
     bandwidth_Bps: float = Field(gt=0, description="bytes per second of one READ beyond its fixed cost")
@@ -43,6 +43,9 @@ def load(path: str | Path) -> Calibration:
         data: Any = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ScenarioError(f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`)") from None
+    except IsADirectoryError:
+        raise ScenarioError(f"calibration {p}: that is a directory; give the JSON file `epsim calibrate --out` "
+                            f"wrote") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ScenarioError(f"calibration {p}: not a JSON file ({exc})") from None
     try:

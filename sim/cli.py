@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__
-from .errors import BadOutput, EpsimError
+from .errors import BadOutput, EpsimError, ScenarioError
 from .outputs import bundle_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -71,7 +71,7 @@ def conform(
 @app.command()
 def run(
     scenario: str = typer.Argument(..., help="a built-in scenario name or a YAML path"),
-    seed: Optional[int] = typer.Option(None, help="root seed (default: the scenario's)"),
+    seed: Optional[int] = typer.Option(None, min=0, max=2**63 - 1, help="root seed (default: the scenario's)"),
     strategy: Optional[str] = typer.Option(None, help="built-in strategy name or package.module:factory"),
     profile: Optional[str] = typer.Option(None, help="fake NIXL profile: dram, cuda, rdma, rocm-strict"),
     fault: list[str] = typer.Option([], "--fault", help="SITE[:k=v,...], repeatable; see `epsim faults`"),
@@ -84,8 +84,8 @@ def run(
     backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real "
                                             "NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
-    timeout: float = typer.Option(120.0, min=0.001,
-                                  help="real backend: seconds a rank may take to answer one command"),
+    timeout: Optional[float] = typer.Option(None, min=0.001, help="real backend: seconds a rank may take to "
+                                                                 "answer one command (default 120)"),
     calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
                                                          "`epsim calibrate --out FILE`"),
     ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
@@ -231,18 +231,29 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
     """List the built-in scenarios."""
     from . import scenario as sc
 
-    rows = []
+    if not sc.builtin_dir().is_dir():
+        raise ScenarioError(f"no scenario folder at {sc.builtin_dir()} (EPSIM_SCENARIO_DIR names a folder of "
+                            f".yaml files)")
+    rows, broken = [], []
     for name in sc.builtin_names():
-        s = sc.load(name)
+        try:
+            s = sc.load(name)
+        except ScenarioError as exc:  # the others are still worth listing; this one is named below
+            broken.append(str(exc))
+            continue
         rows.append({"name": name, "ranks": s.ep_sizes(), "steps": s.steps, "layers": s.model.layers,
                      "experts": s.model.experts, "description": " ".join(s.description.split())})
     if as_json:
         typer.echo(json.dumps(rows))
-        return
-    for r in rows:
-        sizes = "->".join(str(x) for x in r["ranks"])
-        typer.echo(f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
-                   f"{r['steps']:6} steps  {r['description'][:70]}")
+    else:
+        for r in rows:
+            sizes = "->".join(str(x) for x in r["ranks"])
+            typer.echo(f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
+                       f"{r['steps']:6} steps  {r['description'][:70]}")
+    for line in broken:
+        print(f"epsim: error: {line}", file=sys.stderr)
+    if broken:
+        raise typer.Exit(2)
 
 
 @app.command()

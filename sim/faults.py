@@ -136,6 +136,21 @@ def _value(raw: str) -> Any:
     return raw
 
 
+def check_fits(armed: list[Armed], scenario, option: str = "--fault") -> None:
+    """Faults given on the command line that could never fire in ``scenario``: one line, before the run.  (A
+    bundle's or a shrunk scenario's faults are not checked: shrinking keeps a fault that stopped firing.)"""
+    peak = scenario.peak_ranks()
+    for a in armed:
+        if a.at_step >= scenario.steps:
+            raise ScenarioError(f"{option} {a}: at_step {a.at_step} is not before the scenario's steps = "
+                                f"{scenario.steps}, so it would never fire")
+        if "rank" in a.params and int(a.params["rank"]) >= peak:
+            raise ScenarioError(f"{option} {a}: rank {a.params['rank']} never exists; the scenario's ranks are "
+                                f"0..{peak - 1}")
+        if a.site.startswith("all2all.") and scenario.all2all.backend == "none":
+            raise ScenarioError(f"{option} {a}: the scenario has no all2all buffers (set all2all.backend)")
+
+
 def arm(specs, extra=()) -> list[Armed]:
     """A run's armed faults: the scenario's fault specs (``FaultSpec``), then ``extra`` (``SITE:k=v`` strings from
     the command line, or ``Armed``), every one validated."""

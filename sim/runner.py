@@ -7,19 +7,27 @@ import os
 import subprocess
 import sys
 
+from . import faults as fault_catalogue
 from . import scenario as scenario_mod
 from .errors import ScenarioError
 from .run import Result, run_scenario
 
 
+REAL_TIMEOUT_S = 120.0  # seconds a real rank may take to answer one command, unless --timeout says otherwise
+
+
 def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism, overrides=(),
-                backend: str = "sim", device: str = "cpu", timeout_s: float = 120.0,
+                backend: str = "sim", device: str = "cpu", timeout_s: float | None = None,
                 calibration: str | None = None, ranks_per_host: int | None = None) -> tuple[Result, str | None]:
     from .progress import RunProgress
 
     sc = scenario_mod.load(name)
     if overrides:
         sc = scenario_mod.with_overrides(sc, **parse_overrides(overrides))
+    for option, value in (("--strategy", strategy), ("--profile", profile)):
+        if value is not None and not value.strip():
+            raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")
+    fault_catalogue.check_fits([fault_catalogue.parse(f) for f in faults], sc)
     if backend == "real":
         if calibration is not None:
             raise ScenarioError("--calibration sets the simulation's time model; a real run takes the host's time")
@@ -34,10 +42,14 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         launcher = TorchrunLauncher(ranks_per_host) if under_torchrun() else None
         with RunProgress(sc.name, sc.steps) as progress:
             return run_real(sc, seed=seed, strategy=strategy, faults=list(faults), device=device,
-                            timeout_s=timeout_s, out=out, on_progress=progress, launcher=launcher,
+                            timeout_s=REAL_TIMEOUT_S if timeout_s is None else timeout_s, out=out,
+                            on_progress=progress, launcher=launcher,
                             ranks_per_host=ranks_per_host), None
     if backend != "sim":
         raise ScenarioError(f"--backend {backend!r}: use sim or real")
+    if timeout_s is not None:
+        raise ScenarioError("--timeout bounds a real rank's answer; a simulation's collectives time out in "
+                            "simulated time (collective_timeout_s)")
     if ranks_per_host is not None:
         raise ScenarioError("--ranks-per-host places real rank processes; a simulation has no hosts")
     if device != "cpu":
@@ -66,7 +78,13 @@ def parse_overrides(items) -> dict:
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise ScenarioError(f"--set {item!r}: write KEY=VALUE, for example ranks=3 or timeline.0.to=2")
-        out[key.strip()] = yaml.safe_load(raw)
+        if not raw.strip():
+            raise ScenarioError(f"--set {item!r}: no value; write {key.strip()}=null for none")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or "not a YAML value"
+            raise ScenarioError(f"--set {item!r}: the value is not a YAML scalar or list ({problem})") from None
     return out
 
 

@@ -60,6 +60,10 @@ def builtin_names() -> list[str]:
 # Schema
 
 
+MAX_RANKS = 4096  # EP sizes; the largest elastic EP deployments are a few hundred ranks
+MAX_ELEMENTS = 2**28  # float32 elements of every rank's simulated expert weights and buffers together (1 GiB)
+
+
 class _Problem(ValueError):
     """A cross-field problem at ``path`` (relative to the model that raises it), reported as ``path: message``."""
 
@@ -80,12 +84,15 @@ class _Strict(BaseModel):
 class ModelShape(_Strict):
     """The MoE model as the simulation sees it: small real tensors, nominal sizes for the time model."""
 
-    layers: int = Field(ge=1, description="MoE layers")
-    experts: int = Field(ge=1, description="logical (routed) experts per layer")
-    local_experts: int = Field(ge=1, description="physical expert slots per rank; constant across EP sizes")
-    hidden: int = Field(4, ge=1, description="elements per expert row in the small real tensors")
-    tensors_per_layer: int = Field(2, ge=1, description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
-    nominal_expert_bytes: int = Field(ge=1, description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)")
+    # Upper bounds far above any model served today; beyond them a run would exhaust memory or never end.
+    layers: int = Field(ge=1, le=4096, description="MoE layers")
+    experts: int = Field(ge=1, le=65536, description="logical (routed) experts per layer")
+    local_experts: int = Field(ge=1, le=4096, description="physical expert slots per rank; constant across EP sizes")
+    hidden: int = Field(4, ge=1, le=65536, description="elements per expert row in the small real tensors")
+    tensors_per_layer: int = Field(2, ge=1, le=64,
+                                   description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
+    nominal_expert_bytes: int = Field(ge=1, le=2**40,
+                                      description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)")
 
     def physical_experts(self, ep_size: int) -> int:
         """Physical expert slots of one layer across ``ep_size`` ranks."""
@@ -117,10 +124,10 @@ class EplbConfig(_Strict):
 class ServingConfig(_Strict):
     """The serving load: forward steps, routed tokens, and how skewed and how stable expert popularity is."""
 
-    step_time_s: float = Field(0.05, gt=0, description="simulated seconds per forward step")
+    step_time_s: float = Field(0.05, ge=1e-6, le=3600.0, description="simulated seconds per forward step")
     tokens_per_step: int = Field(256, ge=1)
     top_k: int = Field(8, ge=1, description="experts per token")
-    skew: float = Field(1.2, ge=0, description="Zipf exponent of expert popularity")
+    skew: float = Field(1.2, ge=0, le=100.0, description="Zipf exponent of expert popularity")
     drift_every_steps: int = Field(0, ge=0, description="re-draw popularity every N steps; 0: never")
 
 
@@ -141,9 +148,9 @@ class Event(_Strict):
 
     at_step: int = Field(ge=0)
     kind: EventKind
-    to: Union[int, None] = Field(None, ge=1, description="new EP size (scale_up, scale_down, abort)")
+    to: Union[int, None] = Field(None, ge=1, le=MAX_RANKS, description="new EP size (scale_up, scale_down, abort)")
     rank: Union[int, None] = Field(None, ge=0, description="the rank that fails (fail_rank)")
-    prepare_s: float = Field(1.0, ge=0, description="simulated seconds PREPARE takes in the background")
+    prepare_s: float = Field(1.0, ge=0, le=86400.0, description="simulated seconds PREPARE takes in the background")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "Event":
@@ -188,8 +195,8 @@ class Scenario(_Strict):
 
     name: str = Field(min_length=1)
     description: str = ""
-    ranks: int = Field(ge=1, description="initial EP size")
-    max_ranks: Union[int, None] = Field(None, ge=1, description="the EP size never exceeds this")
+    ranks: int = Field(ge=1, le=MAX_RANKS, description="initial EP size")
+    max_ranks: Union[int, None] = Field(None, ge=1, le=MAX_RANKS, description="the EP size never exceeds this")
     model: ModelShape
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
@@ -198,9 +205,9 @@ class Scenario(_Strict):
     faults: list[FaultSpec] = Field(default_factory=list)
     profile: str = Field("dram", min_length=1)
     strategy: str = Field("shared-agent", min_length=1)
-    steps: int = Field(ge=1, description="total forward steps")
-    seed: int = Field(0, ge=0)
-    collective_timeout_s: float = Field(300.0, gt=0)
+    steps: int = Field(ge=1, le=10**9, description="total forward steps")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    collective_timeout_s: float = Field(300.0, gt=0, le=86400.0)
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "Scenario":
@@ -209,6 +216,13 @@ class Scenario(_Strict):
             raise _Problem("serving.top_k", f"{self.serving.top_k} exceeds model.experts = {m.experts}")
         if self.max_ranks is not None and self.max_ranks < self.ranks:
             raise _Problem("max_ranks", f"{self.max_ranks} is below ranks = {self.ranks}")
+        elements = self.peak_ranks() * m.layers * m.tensors_per_layer * (m.local_experts + 1) * m.hidden
+        if elements > MAX_ELEMENTS:
+            raise _Problem("model", f"peak ranks {self.peak_ranks()} x layers {m.layers} x tensors_per_layer "
+                                    f"{m.tensors_per_layer} x (local_experts {m.local_experts} + 1 buffer row) x "
+                                    f"hidden {m.hidden} = {elements:,} simulated weight elements, over the "
+                                    f"{MAX_ELEMENTS:,} ({MAX_ELEMENTS * 4 >> 30} GiB) a run holds in memory; "
+                                    f"make hidden or the model smaller (nominal_expert_bytes sets the time model)")
         if m.physical_experts(self.ranks) < m.experts:
             raise _Problem("ranks", f"{_ranks(self.ranks)} x {m.local_experts} local_experts = "
                                     f"{m.physical_experts(self.ranks)} physical slots, fewer than "
@@ -391,8 +405,17 @@ def from_dict(data: Any, source: str = "scenario") -> Scenario:
         raise ScenarioError(f"{source}: {_error_line(exc)}") from None
 
 
+MAX_FILE_BYTES = 1 << 20  # a scenario is a few hundred bytes; the largest timelines a few hundred lines
+
+
 def _load_file(path: Path, shown: str) -> Scenario:
     try:
+        if path.exists() and not path.is_dir():
+            if not path.is_file():
+                raise ScenarioError(f"{shown}: not a regular file (a device or a pipe); give a scenario file")
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise ScenarioError(f"{shown}: {path.stat().st_size:,} bytes; a scenario file is at most "
+                                    f"{MAX_FILE_BYTES:,}")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ScenarioError(f"{shown}: no such scenario file") from None
@@ -424,7 +447,8 @@ def load(path_or_name: str | os.PathLike[str]) -> Scenario:
                        or given.endswith(_SUFFIXES))
     if not looks_like_path:
         if given in names:
-            return _load_file(builtin_dir() / f"{given}.yaml", f"scenarios/{given}.yaml")
+            path = builtin_dir() / f"{given}.yaml"
+            return _load_file(path, f"scenarios/{given}.yaml" if path.parent == _REPO_SCENARIOS else str(path))
         if Path(given).is_file():
             return _load_file(Path(given), given)
         listing = ", ".join(names) if names else f"none found in {builtin_dir()} (set EPSIM_SCENARIO_DIR)"

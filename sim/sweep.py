@@ -82,6 +82,9 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
 
     sc = scenario_mod.load(scenario_ref)
     text = scenario_mod.to_yaml(sc)
+    for option, values in (("--strategy", strategies), ("--profile", profiles)):
+        if any(not v.strip() for v in values):
+            raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")
     strategies = list(dict.fromkeys(strategies)) or [sc.strategy]
     profiles = list(dict.fromkeys(profiles)) or [sc.profile]
     for p in profiles:
@@ -89,7 +92,9 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
             raise ScenarioError(f"profile {p!r} not found; known: {', '.join(PROFILES)}")
     for s in strategies:
         plugins.load(s)  # a missing strategy is one line now, not two thousand failed runs
-    faults = tuple(str(fault_catalogue.parse(f)) for f in faults)  # checked, and written one way
+    armed = [fault_catalogue.parse(f) for f in faults]
+    fault_catalogue.check_fits(armed, sc)
+    faults = tuple(str(a) for a in armed)  # checked, and written one way
     if len(seeds) * len(strategies) * len(profiles) > MAX_RUNS:
         raise ScenarioError(f"{len(seeds)} seeds x {len(strategies)} strategies x {len(profiles)} profiles: one sweep "
                             f"plans at most {MAX_RUNS:,} runs, so split it (--resume continues a database)")

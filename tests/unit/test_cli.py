@@ -127,3 +127,79 @@ def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, m
     assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"epsim: error: {message}"), done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # each of these hung, ran out of memory, or was read as the code under test failing, before it was refused
+    (("--set", "timeline.0.prepare_s=.inf"), "timeline[0].prepare_s: Input should be less than or equal to 86400"),
+    (("--set", "serving.step_time_s=1.0e-320"), "serving.step_time_s: Input should be greater than or equal to"),
+    (("--set", "serving.step_time_s=.inf"), "serving.step_time_s: Input should be less than or equal to 3600"),
+    (("--set", "ranks=1000000", "--set", "max_ranks=null", "--set", "timeline=[]"), "ranks: Input should be less"),
+    (("--set", "steps=1000000000000"), "steps: Input should be less than or equal to 1000000000"),
+    (("--set", "model.hidden=10000000000"), "model.hidden: Input should be less than or equal to 65536"),
+    (("--set", "model.nominal_expert_bytes=" + "9" * 400), "model.nominal_expert_bytes: Input should be less"),
+    (("--set", "model.hidden=60000", "--set", "model.layers=200"), "simulated weight elements, over the"),
+    (("--set", "model=[1"), "--set 'model=[1': the value is not a YAML scalar or list"),
+    (("--set", "model.layers=!!python/object:os.system"), "the value is not a YAML scalar or list"),
+    (("--set", "name="), "--set 'name=': no value; write name=null for none"),
+    (("--seed", "-1"), "Invalid value for '--seed'"),
+    (("--fault", "gc.late:at_step=999999"), "at_step 999999 is not before the scenario's steps = 3000"),
+    (("--fault", "gc.late:rank=99"), "rank 99 never exists; the scenario's ranks are 0..3"),
+    (("--fault", "all2all.cleanup_late"), "the scenario has no all2all buffers"),
+    (("--fault", "gc.late:delay_s=1,delay_s=2"), "delay_s is given twice"),
+    (("--profile", ""), "--profile: empty"),
+    (("--strategy", ""), "--strategy: empty"),
+    (("--timeout", "5"), "--timeout bounds a real rank's answer"),
+    (("--out", ""), "--out: an empty path"),
+])
+def test_bad_run_input_found_by_probing_is_one_line_before_the_run(args, message) -> None:
+    done = epsim("run", "scale-up", *args, timeout=60)
+    assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epsim: error: ") and message in lines[0], done.stderr
+
+
+def test_scenario_files_that_are_not_files_or_too_big_are_one_line(tmp_path) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    for path, message in (("/dev/zero", "not a regular file"), (str(big), "a scenario file is at most")):
+        done = epsim("run", path, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_scenarios_lists_the_good_files_and_names_a_broken_one(tmp_path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from sim.scenario import builtin_dir
+
+    shutil.copy(builtin_dir() / "steady.yaml", tmp_path / "steady.yaml")
+    (tmp_path / "bad.yaml").write_text("ranks: [\n")
+    env = dict(os.environ, EPSIM_SCENARIO_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "scenarios"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 2 and done.stdout.startswith("steady ")
+    assert done.stderr.strip().splitlines() == [f"epsim: error: {tmp_path / 'bad.yaml'}:2:1: invalid YAML: expected "
+                                                "the node content, but found '<stream end>'"]
+    env["EPSIM_SCENARIO_DIR"] = str(tmp_path / "missing")
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "scenarios"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 2 and "no scenario folder at" in done.stderr
+
+
+def test_a_strategy_module_that_exits_while_importing_is_one_line(tmp_path, monkeypatch) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    done = epsim("run", "steady", "--strategy", "exits_on_import:create", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["epsim: error: strategy 'exits_on_import:create': importing "
+                                                "'exits_on_import' failed: SystemExit: 3"]
+
+
+def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
+    cal = tmp_path / "cal.json"
+    cal.write_text('{"xfer_latency_s": Infinity, "bandwidth_Bps": 1e9}')
+    done = epsim("run", "steady", "--calibration", str(cal), timeout=60)
+    assert done.returncode == 2 and "xfer_latency_s: Input should be a finite number" in done.stderr

@@ -52,6 +52,9 @@ def load(name: str, fresh: bool = True) -> Callable:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} cannot be imported ({exc})") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - its parent package failed while importing
+        raise UnknownStrategy(f"strategy {name!r}: importing the package of {module_name!r} failed: "
+                              f"{type(exc).__name__}: {exc}") from None
     if spec is None or spec.loader is None:
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)")
     if fresh:
@@ -64,7 +67,8 @@ def load(name: str, fresh: bool = True) -> Callable:
         sys.modules[unique] = module  # dataclasses and pickling look classes' modules up here
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - a user's module failing to import is their error, in one line
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's module failing to import (or calling
+            # sys.exit while it imports) is their error, in one line
             raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
     else:
