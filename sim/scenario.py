@@ -88,7 +88,8 @@ class ModelShape(_Strict):
     layers: int = Field(ge=1, le=4096, description="MoE layers")
     experts: int = Field(ge=1, le=65536, description="logical (routed) experts per layer")
     local_experts: int = Field(ge=1, le=4096, description="physical expert slots per rank; constant across EP sizes")
-    hidden: int = Field(4, ge=1, le=65536, description="elements per expert row in the small real tensors")
+    hidden: int = Field(4, ge=1, le=2**24, description="elements per expert row in the small real tensors "
+                                                       "(epsim calibrate moves 1 MiB rows)")
     tensors_per_layer: int = Field(2, ge=1, le=64,
                                    description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
     nominal_expert_bytes: int = Field(ge=1, le=2**40,

@@ -13,6 +13,24 @@ def epsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The ``epsim`` command in a fresh interpreter, as a user runs it: (return code, stdout, stderr)."""
     return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=timeout)
 
+
+def epsim_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command through the same entry point (``sim.cli.main``) in this interpreter: for input that must be
+    refused before any work, where a fresh interpreter would cost seconds of imports per case."""
+    import contextlib
+    import io
+
+    from sim import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.main(list(args))
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return subprocess.CompletedProcess(["epsim", *args], code, out.getvalue(), err.getvalue())
+
 # CI sets this: there, the real NIXL is installed on purpose, so failing to import it is an error, not a skip.
 REQUIRE_REAL_NIXL = os.environ.get("EPSIM_REQUIRE_REAL_NIXL") == "1"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sim import bundle
-from tests.conftest import epsim
+from tests.conftest import epsim, epsim_here
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 BUNDLE = CORPUS / "rocm-strict-duplicate-registration"  # a small failing run (a crash at the first PREPARE)
@@ -34,7 +34,7 @@ def test_shrink_refuses_a_folder_of_other_files_and_keeps_them(found: Path, tmp_
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("important")
-    line = _one_error_line(epsim("shrink", str(found), "--out", str(precious)))
+    line = _one_error_line(epsim_here("shrink", str(found), "--out", str(precious)))
     assert "holds other files and is not a failure bundle" in line
     assert (precious / "notes.txt").read_text() == "important"
 
@@ -43,7 +43,7 @@ def test_shrink_refuses_a_folder_of_other_files_and_keeps_them(found: Path, tmp_
 def test_shrink_refuses_to_write_over_the_bundle_it_reads(found: Path, where: str) -> None:
     before = (found / "failure.json").read_text()
     out = found if where == "bundle" else found.parent
-    line = _one_error_line(epsim("shrink", str(found), "--out", str(out)))
+    line = _one_error_line(epsim_here("shrink", str(found), "--out", str(out)))
     assert f"{'is' if where == 'bundle' else 'holds'} the bundle being read" in line
     assert (found / "failure.json").read_text() == before
 
@@ -83,7 +83,7 @@ def test_shrink_of_a_bundle_that_no_longer_fails_says_so_and_writes_nothing(foun
 
 def test_replay_refuses_to_write_its_history_over_the_bundle(found: Path) -> None:
     before = sorted(p.name for p in found.iterdir())
-    line = _one_error_line(epsim("replay", str(found), "--out", str(found)))
+    line = _one_error_line(epsim_here("replay", str(found), "--out", str(found)))
     assert "that is the bundle being replayed" in line
     assert sorted(p.name for p in found.iterdir()) == before
 
@@ -121,16 +121,16 @@ def test_a_sweep_never_replaces_a_bundle_an_earlier_sweep_left(tmp_path: Path) -
 def test_a_damaged_failure_json_is_one_line(found: Path, change, message: str, command: str) -> None:
     meta = found / "failure.json"
     meta.write_text(json.dumps(change(json.loads(meta.read_text()))))
-    line = _one_error_line(epsim(command, str(found)))
+    line = _one_error_line(epsim_here(command, str(found)))
     assert line.startswith(f"epsim: error: {meta}: ") and message in line, line
 
 
 def test_empty_output_paths_are_refused(tmp_path: Path) -> None:
-    assert "--out: an empty path" in _one_error_line(epsim("run", "steady", "--out", ""))
-    assert "--db: " in _one_error_line(epsim("sweep", "steady", "--seeds", "0:1", "--db", ""))
+    assert "--out: an empty path" in _one_error_line(epsim_here("run", "steady", "--out", ""))
+    assert "--db: " in _one_error_line(epsim_here("sweep", "steady", "--seeds", "0:1", "--db", ""))
 
 
 def test_run_out_with_a_directory_where_a_file_goes_is_refused_before_the_run(tmp_path: Path) -> None:
     (tmp_path / "history.jsonl").mkdir()
-    line = _one_error_line(epsim("run", "steady", "--out", str(tmp_path)))
+    line = _one_error_line(epsim_here("run", "steady", "--out", str(tmp_path)))
     assert "history.jsonl there is a directory" in line

@@ -18,7 +18,7 @@ from sim import bundle, engines, resultsdb, swarm
 from sim import sweep as sweep_mod
 from sim.errors import ScenarioError
 from sim.scenario import load
-from tests.conftest import epsim
+from tests.conftest import epsim, epsim_here
 
 PCA = "per-communicator-agent"
 
@@ -150,7 +150,7 @@ def test_cli_sweep_bad_input_is_one_line(tmp_path: Path) -> None:
                           (("--seeds", "0:1", "--ray-address", "localhost:1"), "--ray-address is for --engine ray"),
                           (("--seeds", "0:1", "--db", ""), "--db: an empty path"),
                           (("--seeds", "0:1", "--db", str(tmp_path)), "that is a directory")]:
-        done = epsim("sweep", "steady", *args, *(() if "--db" in args else ("--db", str(tmp_path / "x.db"))))
+        done = epsim_here("sweep", "steady", *args, *(() if "--db" in args else ("--db", str(tmp_path / "x.db"))))
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
     done = epsim("replay", str(tmp_path))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import epsim
+from tests.conftest import epsim, epsim_here
 
 
 def test_version() -> None:
@@ -25,7 +25,7 @@ def test_version() -> None:
     (("no-such-command",), "No such command"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message) -> None:
-    done = epsim(*args)
+    done = epsim_here(*args)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -123,7 +123,7 @@ def test_output_paths_name_what_is_wrong(tmp_path) -> None:
 ])
 def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, message) -> None:
     """Before, ``delay_s=abc`` reached the GC controller mid-run and read as the code under test crashing."""
-    done = epsim("run", "steady", "--fault", fault)
+    done = epsim_here("run", "steady", "--fault", fault)
     assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"epsim: error: {message}"), done.stderr
@@ -136,7 +136,7 @@ def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, m
     (("--set", "serving.step_time_s=.inf"), "serving.step_time_s: Input should be less than or equal to 3600"),
     (("--set", "ranks=1000000", "--set", "max_ranks=null", "--set", "timeline=[]"), "ranks: Input should be less"),
     (("--set", "steps=1000000000000"), "steps: Input should be less than or equal to 1000000000"),
-    (("--set", "model.hidden=10000000000"), "model.hidden: Input should be less than or equal to 65536"),
+    (("--set", "model.hidden=10000000000"), "model.hidden: Input should be less than or equal to 16777216"),
     (("--set", "model.nominal_expert_bytes=" + "9" * 400), "model.nominal_expert_bytes: Input should be less"),
     (("--set", "model.hidden=60000", "--set", "model.layers=200"), "simulated weight elements, over the"),
     (("--set", "model=[1"), "--set 'model=[1': the value is not a YAML scalar or list"),
@@ -153,7 +153,7 @@ def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, m
     (("--out", ""), "--out: an empty path"),
 ])
 def test_bad_run_input_found_by_probing_is_one_line_before_the_run(args, message) -> None:
-    done = epsim("run", "scale-up", *args, timeout=60)
+    done = epsim_here("run", "scale-up", *args)
     assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("epsim: error: ") and message in lines[0], done.stderr
@@ -163,7 +163,7 @@ def test_scenario_files_that_are_not_files_or_too_big_are_one_line(tmp_path) -> 
     big = tmp_path / "big.yaml"
     big.write_text("# padding\n" * 200_000)
     for path, message in (("/dev/zero", "not a regular file"), (str(big), "a scenario file is at most")):
-        done = epsim("run", path, timeout=60)
+        done = epsim_here("run", path)
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -201,5 +201,5 @@ def test_a_strategy_module_that_exits_while_importing_is_one_line(tmp_path, monk
 def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
     cal = tmp_path / "cal.json"
     cal.write_text('{"xfer_latency_s": Infinity, "bandwidth_Bps": 1e9}')
-    done = epsim("run", "steady", "--calibration", str(cal), timeout=60)
+    done = epsim_here("run", "steady", "--calibration", str(cal))
     assert done.returncode == 2 and "xfer_latency_s: Input should be a finite number" in done.stderr

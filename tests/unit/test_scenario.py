@@ -305,7 +305,8 @@ def test_builtin_error_names_builtin_file(tmp_path, monkeypatch):
     (broken / "bad.yaml").write_text(SMALL.replace("layers: 4", "layers: four"))
     monkeypatch.setenv("EPSIM_SCENARIO_DIR", str(broken))
     assert S.builtin_names() == ["bad"]
-    assert error_of("bad") == "scenarios/bad.yaml: model.layers: Input should be a valid integer"
+    # the file's real path: "scenarios/bad.yaml" would send the reader to the repository's folder
+    assert error_of("bad") == f"{broken / 'bad.yaml'}: model.layers: Input should be a valid integer"
 
 
 def test_file_without_suffix_by_name(tmp_path, monkeypatch):
