@@ -281,3 +281,24 @@ def test_run_and_sweep_lines_keep_their_counts_whole_on_an_80_column_terminal() 
     console.print(progress.make_tasks_table(progress.tasks))
     line = console.export_text().strip()
     assert " 1200/2000 runs · 371 failed · 10.6/s 0:00:00 · -:--:-- left" in line and "…" not in line, line
+
+
+def test_garbage_from_before_a_run_is_neither_scanned_nor_finalized_inside_it() -> None:
+    """A run freezes what existed before it: its planned collections cost what the run itself holds (not the
+    caller's heap), and an earlier run's leftovers are not finalized in the middle of this one."""
+    import gc
+
+    finalized: list[str] = []
+
+    class Leftover:
+        def __del__(self) -> None:
+            finalized.append("leftover")
+
+    cycle = [Leftover()]
+    cycle.append(cycle)
+    del cycle  # garbage now; only a collection can finalize it
+    first = run_scenario(load("scale-up"))  # its planned collections used to finalize the leftover
+    assert finalized == [] and gc.get_freeze_count() == 0  # and nothing stays frozen after the run
+    gc.collect()
+    assert finalized == ["leftover"]
+    assert run_scenario(load("scale-up")).trace_hash == first.trace_hash
