@@ -57,7 +57,10 @@ def throughput(quick: bool = False) -> dict[str, Any]:
     from sim import engines
     from sim.sweep import plan
 
-    n = 40 if quick else 200
+    # About half a minute of runs: the engines' worker start-up (a second or two of imports) counts as machinery, and
+    # a sweep that short already amortises it as longer ones do.  (200 runs were that long until a run stopped
+    # scanning the caller's heap at every planned collection and took 35 ms instead of 170.)
+    n = 200 if quick else 1000
     specs = plan("scale-up", range(n))
     plain = _plain(specs)
     one = _through(plan("scale-up", range(n, 2 * n)), engines.LocalEngine(1))

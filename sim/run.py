@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import logging
 import re
@@ -43,8 +45,9 @@ class Result:
 
 def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
                  faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
-                 on_progress=None, calibration=None) -> Result:
-    """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace."""
+                 on_progress=None, calibration=None, tidy: bool = True) -> Result:
+    """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace.
+    ``tidy``: finalize the simulated world before returning (False: a process about to exit leaves it to the OS)."""
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
     profile = profile or scenario.profile
@@ -60,7 +63,24 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
     try:
         return _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration)
     finally:
+        if tidy:
+            _finalize_leftovers()
         gc.unfreeze()
+
+
+def _finalize_leftovers() -> None:
+    """The finished run's simulated world, finalized now while it is all that is not frozen (a collection of the
+    run's objects only), instead of at some later collection or at exit.  What its finalizers say (a leaked DeepEP
+    buffer's warning, the fake NIXL refusing a dead agent's call) is in the run's history already; on stderr it
+    would only be noise under the command's output."""
+    log = logging.getLogger("epsim.fakes.nixl")
+    saved = log.propagate, log.handlers[:]
+    log.propagate, log.handlers = False, [logging.NullHandler()]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            gc.collect()
+    finally:
+        log.propagate, log.handlers = saved
 
 
 def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration) -> Result:

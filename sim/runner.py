@@ -60,8 +60,10 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
 
         timing = load_calibration(calibration)
     with RunProgress(sc.name, sc.steps) as progress:
+        # tidy=False: `epsim run` exits right after the verdict (os._exit), so the simulated world is never
+        # finalized; collecting it first would add a second at DeepSeek scale.
         result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out,
-                              on_progress=progress, calibration=timing)
+                              on_progress=progress, calibration=timing, tidy=False)
     again = None
     if check_determinism:
         again = rerun_hash(name, result, faults, overrides, calibration)

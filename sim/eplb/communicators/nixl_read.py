@@ -19,6 +19,7 @@ This module keeps no state of its own; a strategy's module-level state stays per
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -102,18 +103,22 @@ class NixlReadCommunicator(EplbCommunicator):
         metas: list[Any] = [None] * self._world
         dist.all_gather_object(metas, mine, group=self._group)
         # Every rank checks every peer's (layer, tensor) entries: R^2 x layers x tensors at each reconfiguration
-        # (a quarter of a million per rank at EP64), so the common case is one dict comparison per peer.
-        strides = {key: value[1] for key, value in mine.items()}
+        # (a quarter of a million per rank at EP64), so the common case is one C-level pass per peer: the strides
+        # in the peer's order, which is this rank's when the keys match (every rank builds them the same way).
+        stride_of = operator.itemgetter(1)
+        strides = list(map(stride_of, mine.values()))
         per_rank: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
         for r, meta in enumerate(metas):
             if meta.keys() != mine.keys():
                 raise RuntimeError(f"rank {r} registered expert tensors {sorted(meta)}, rank {self._rank} "
                                    f"{sorted(mine)}: layers and tensors must match on every rank")
-            if {key: value[1] for key, value in meta.items()} != strides:
-                key, value = next((k, v) for k, v in meta.items() if v[1] != strides[k])
-                raise RuntimeError(f"layer {key[0]} tensor {key[1]}: rank {r} has {value[1]} bytes per expert, "
-                                   f"rank {self._rank} {strides[key]}")
-            per_rank[r] = {key: tuple(value) for key, value in meta.items()}
+            if list(map(stride_of, meta.values())) != strides:
+                bad = next(((k, v) for k, v in meta.items() if v[1] != mine[k][1]), None)
+                if bad is not None:
+                    raise RuntimeError(f"layer {bad[0][0]} tensor {bad[0][1]}: rank {r} has {bad[1][1]} bytes per "
+                                       f"expert, rank {self._rank} {mine[bad[0]][1]}")
+            # This rank's own copy from the collective (and tuples, as sent): kept as it is.
+            per_rank[r] = meta
         self._remote_send_meta = per_rank
         self._remote_ready = True
 
