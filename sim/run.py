@@ -59,13 +59,18 @@ def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = No
     # What exists before the run (an earlier run's leftovers, a test process's heap) is not the run's: frozen, it is
     # neither traversed by the run's planned collections (whose cost grew with the caller's heap: the strategy
     # matrix took twice as long inside the test suite as alone) nor finalized in the middle of this run.
-    gc.freeze()
+    # A caller that froze objects itself (a pre-fork server) keeps them frozen: unfreezing is all or nothing, so the
+    # run leaves the collector as it found it and pays for the caller's heap.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         return _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration)
     finally:
-        if tidy:
+        if tidy and freeze:
             _finalize_leftovers()
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 def _finalize_leftovers() -> None:

@@ -124,7 +124,7 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
         result.last_signature = r.signature
         return r.signature == want
 
-    if not fails_the_same(cur):  # a bundle that no longer fails so has nothing to keep while shrinking
+    if not fails_the_same(cur):  # no failure to keep: every candidate would be refused, and the bundle is stale
         raise NotReproduced(f"{b.path} no longer fails as {want}: the run gives {result.last_signature}; "
                             f"`epsim replay {b.path}` shows the run")
     progress = True

@@ -53,7 +53,7 @@ class RunSpec:
 
 
 MAX_SEED = 2**63 - 1  # SQLite's INTEGER
-MAX_RUNS = 1_000_000  # the plan is held in memory (about a kilobyte per run); a sweep that size takes days anyway
+MAX_RUNS = 1_000_000  # the plan is held in memory (about a kilobyte per run); a sweep that size takes hours anyway
 
 
 def parse_seeds(text: str) -> range:

@@ -302,3 +302,16 @@ def test_garbage_from_before_a_run_is_neither_scanned_nor_finalized_inside_it() 
     gc.collect()
     assert finalized == ["leftover"]
     assert run_scenario(load("scale-up")).trace_hash == first.trace_hash
+
+
+def test_a_caller_that_froze_objects_itself_keeps_them_frozen() -> None:
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        run_scenario(load("steady"))
+        assert gc.get_freeze_count() >= frozen  # unfreezing is all or nothing: the run must not do it
+    finally:
+        gc.unfreeze()
