@@ -312,6 +312,7 @@ def test_a_caller_that_froze_objects_itself_keeps_them_frozen() -> None:
         frozen = gc.get_freeze_count()
         assert frozen > 0
         run_scenario(load("steady"))
-        assert gc.get_freeze_count() >= frozen  # unfreezing is all or nothing: the run must not do it
+        # unfreezing is all or nothing, so the run must not do it (a few frozen objects die meanwhile: refcounts)
+        assert gc.get_freeze_count() > 0.9 * frozen
     finally:
         gc.unfreeze()
