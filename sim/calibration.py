@@ -38,6 +38,8 @@ class Calibration(BaseModel):
 
 def load(path: str | Path) -> Calibration:
     """The calibration in ``path``; one line naming the file and the problem otherwise."""
+    if not str(path).strip():
+        raise ScenarioError("--calibration: an empty path; give the JSON file `epsim calibrate --out` wrote")
     p = Path(path)
     try:
         data: Any = json.loads(p.read_text(encoding="utf-8"))

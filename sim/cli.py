@@ -331,6 +331,9 @@ def replay(
     if out is not None:
         if Path(out).resolve() == Path(bundle).resolve():  # the bundle's own history would give way to the replay's
             raise BadOutput(f"--out {out}: that is the bundle being replayed; give another directory")
+        if (Path(out) / "failure.json").is_file():
+            raise BadOutput(f"--out {out}: that is a failure bundle, whose tape and history the replay would "
+                            f"replace; give another directory")
         writable_dir(out, "--out")
     rep = bundle_mod.replay(bundle, out)
     exp, r = rep.bundle.expected, rep.result
@@ -367,11 +370,15 @@ def shrink(
     from . import bundle as bundle_mod
 
     bundle_mod.load(bundle)  # a folder that is not a bundle costs one line here, not after the --out checks
+    if out is not None and not out.strip():
+        raise BadOutput("--out: an empty path; give a name")
     target = Path(out) if out is not None else shrink_mod.default_target(bundle)
-    bundle_dir(target, "--out" if out is not None else "the default --out", source=bundle)
+    # Checked, not made: the shrunk bundle's folder appears only when there is a bundle to put in it.
+    bundle_dir(target, "--out" if out is not None else "the default --out", source=bundle, make=False)
     if corpus is not None:
-        writable_dir(corpus, "--corpus", files=())
-        bundle_dir(Path(corpus) / target.name, "--corpus", source=bundle, make=False)
+        writable_dir(corpus, "--corpus", files=(), make=False)
+        # Re-shrinking a corpus bundle into its own corpus replaces it, once the shrink is done: no source check.
+        bundle_dir(Path(corpus) / target.name, "--corpus", make=False)
     try:
         res = shrink_mod.shrink(bundle, target, max_runs=max_runs, on_step=show)
     except shrink_mod.NotReproduced as exc:
@@ -406,10 +413,11 @@ def report(
     from . import resultsdb
     from .errors import BackendUnavailable
 
-    folder = Path(plots) if plots else Path(db).with_name(Path(db).stem + "-report")
+    folder = Path(plots) if plots is not None else Path(db).with_name(Path(db).stem + "-report")
     with resultsdb.open_existing(db) as database:
         if not no_plots:  # before the summary's work: a bad folder is one line
-            writable_dir(folder, "--plots" if plots else "the default --plots", files=report_mod.PLOTS)
+            writable_dir(plots if plots is not None else folder, "--plots" if plots is not None else
+                         "the default --plots", files=report_mod.PLOTS)
         summary = report_mod.summarise(database)
     written: list[str] = []
     if not no_plots:

@@ -139,14 +139,14 @@ def _value(raw: str) -> Any:
 def check_fits(armed: list[Armed], scenario, option: str = "--fault") -> None:
     """Faults given on the command line that could never fire in ``scenario``: one line, before the run.  (A
     bundle's or a shrunk scenario's faults are not checked: shrinking keeps a fault that stopped firing.)"""
-    peak = scenario.peak_ranks()
+    processes = scenario.processes()
     for a in armed:
         if a.at_step >= scenario.steps:
             raise ScenarioError(f"{option} {a}: at_step {a.at_step} is not before the scenario's steps = "
                                 f"{scenario.steps}, so it would never fire")
-        if "rank" in a.params and int(a.params["rank"]) >= peak:
-            raise ScenarioError(f"{option} {a}: rank {a.params['rank']} never exists; the scenario's ranks are "
-                                f"0..{peak - 1}")
+        if "rank" in a.params and int(a.params["rank"]) >= processes:
+            raise ScenarioError(f"{option} {a}: rank {a.params['rank']} never exists; the scenario starts rank "
+                                f"processes 0..{processes - 1} (a scale-up's new ranks take new numbers)")
         if a.site.startswith("all2all.") and scenario.all2all.backend == "none":
             raise ScenarioError(f"{option} {a}: the scenario has no all2all buffers (set all2all.backend)")
 

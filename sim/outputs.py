@@ -14,19 +14,26 @@ from typing import Iterable
 from .errors import BadOutput
 
 # What a run writes into its --out folder (sim/run.py, real_backends/run.py) and a bundle holds beside failure.json.
-RUN_FILES = ("history.jsonl", "trace.perfetto.json", "tape.json")
+RUN_FILES = ("history.jsonl", "trace.perfetto.json", "tape.json", "result.json")
 
 
-def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES) -> Path:
-    """``path`` as a directory this process can write into (made, with its parents, if missing), in which none of
-    ``files`` (the names the command will write) is a directory."""
+def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES, *, make: bool = True) -> Path:
+    """``path`` as a directory this process can write into, in which none of ``files`` (the names the command will
+    write) is a directory.  ``make``: make it now, with its parents, if missing; else only check that it could be
+    made (a command refused later, or one that fails, then leaves no empty folder behind)."""
     p = _nonempty(path, option)
     if p.exists() and not p.is_dir():
         raise BadOutput(f"{option} {path}: that is a file; give a directory (it is made if missing)")
     for name in files:
         if (p / name).is_dir():
             raise BadOutput(f"{option} {path}: {name} there is a directory, where epsim writes a file of that name")
-    _ensure(p, f"{option} {path}")
+    if make or p.is_dir():
+        _ensure(p, f"{option} {path}")
+    else:
+        existing = next(a for a in p.absolute().parents if a.exists())
+        if not existing.is_dir():
+            raise BadOutput(f"{option} {path}: {existing} is a file, not a directory")
+        _ensure(existing, f"{option} {path}")
     return p
 
 
@@ -46,11 +53,9 @@ def writable_file(path: str | Path, option: str) -> Path:
 
 def bundle_dir(path: str | Path, option: str, *, source: str | Path | None = None, make: bool = True) -> Path:
     """``path`` as a folder a failure bundle may be written into: new, empty, or a bundle (whose own files are
-    replaced, other files kept); never the bundle ``source`` being read, nor a folder that holds it.  ``make``:
-    make it now if missing (else only check what is there)."""
-    p = _nonempty(path, option)
-    if make or p.exists():
-        writable_dir(p, option, files=("failure.json", "scenario.yaml", *RUN_FILES))
+    replaced, other files kept); never the bundle ``source`` being read, nor a folder that holds it.  ``make``: as
+    for :func:`writable_dir`."""
+    p = writable_dir(path, option, files=("failure.json", "scenario.yaml", *RUN_FILES), make=make)
     if source is not None:
         src, dst = Path(source).resolve(), p.resolve()
         if src == dst or dst in src.parents:

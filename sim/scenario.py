@@ -289,6 +289,21 @@ class Scenario(_Strict):
         """The EP sizes over time, the initial one first: ``[2, 4, 2, 4]`` for elastic-cycle."""
         return [size for _, size in self.ep_schedule()]
 
+    def processes(self) -> int:
+        """Rank processes the run starts, first to last: every scale_up (and abort) to a larger size starts new ones
+        with new ids, never reusing a departed rank's (fault ``rank=`` parameters name these ids)."""
+        started = size = self.ranks
+        for ev in self.timeline:
+            if ev.kind == "fail_rank":
+                size -= 1
+                continue
+            to = typing.cast(int, ev.to)
+            if to > size:
+                started += to - size
+            if ev.kind != "abort":
+                size = to
+        return started
+
     def peak_ranks(self) -> int:
         """The most ranks alive at once, counting those an aborted reconfiguration prepares."""
         prepared = [typing.cast(int, ev.to) for ev in self.timeline if ev.kind == "abort"]

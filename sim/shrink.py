@@ -102,6 +102,8 @@ def _candidates(cur: Candidate) -> Iterator[Candidate]:
 def default_target(path: str | Path) -> Path:
     """Where a shrunk bundle goes without ``--out``: beside the bundle, its name with ``-shrunk`` appended."""
     path = Path(path)
+    if path.name in ("", ".", ".."):  # "." from inside the bundle: its real name
+        path = path.resolve()
     return path.with_name(path.name + "-shrunk")
 
 

@@ -37,6 +37,11 @@ def test_shrink_refuses_a_folder_of_other_files_and_keeps_them(found: Path, tmp_
     line = _one_error_line(epsim_here("shrink", str(found), "--out", str(precious)))
     assert "holds other files and is not a failure bundle" in line
     assert (precious / "notes.txt").read_text() == "important"
+    # a refusal made nothing: the --out folder is checked, not made, before the --corpus check refuses
+    (tmp_path / "a-file").write_text("")
+    line = _one_error_line(epsim_here("shrink", str(found), "--out", str(tmp_path / "new" / "out"), "--corpus",
+                                      str(tmp_path / "a-file")))
+    assert "--corpus" in line and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("where", ["bundle", "parent"])
@@ -78,14 +83,36 @@ def test_shrink_of_a_bundle_that_no_longer_fails_says_so_and_writes_nothing(foun
     done = epsim("shrink", str(found))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(f"not shrunk: {found} no longer fails as exception:")
-    assert not (found.parent / (found.name + "-shrunk") / "failure.json").exists()
+    assert not (found.parent / (found.name + "-shrunk")).exists()
 
 
-def test_replay_refuses_to_write_its_history_over_the_bundle(found: Path) -> None:
+def test_replay_refuses_to_write_its_history_over_a_bundle(found: Path, tmp_path: Path) -> None:
     before = sorted(p.name for p in found.iterdir())
     line = _one_error_line(epsim_here("replay", str(found), "--out", str(found)))
     assert "that is the bundle being replayed" in line
+    other = Path(shutil.copytree(CORPUS / "broken-finalizer-gc-late", tmp_path / "other"))
+    line = _one_error_line(epsim_here("replay", str(found), "--out", str(other)))
+    assert "that is a failure bundle, whose tape and history the replay would replace" in line
     assert sorted(p.name for p in found.iterdir()) == before
+
+
+def test_reshrinking_a_corpus_bundle_into_its_own_corpus_replaces_it(found: Path, tmp_path: Path) -> None:
+    corpus = found.parent
+    done = epsim("shrink", str(found), "--out", str(tmp_path / "out" / found.name), "--corpus", str(corpus),
+                 "--max-runs", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert Path(json.loads(done.stdout)["corpus"]) == found
+    assert bundle.load(found).data["replay"] == f"epsim replay {found}"
+
+
+def test_shrink_dot_from_inside_the_bundle_names_the_shrunk_bundle_after_it(found: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "shrink", ".", "--max-runs", "1", "--json"], cwd=found,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert Path(json.loads(done.stdout)["bundle"]) == found.parent / (found.name + "-shrunk")
 
 
 def test_a_sweep_never_replaces_a_bundle_an_earlier_sweep_left(tmp_path: Path) -> None:
@@ -125,9 +152,14 @@ def test_a_damaged_failure_json_is_one_line(found: Path, change, message: str, c
     assert line.startswith(f"epsim: error: {meta}: ") and message in line, line
 
 
-def test_empty_output_paths_are_refused(tmp_path: Path) -> None:
+def test_empty_paths_are_refused(found: Path, tmp_path: Path) -> None:
     assert "--out: an empty path" in _one_error_line(epsim_here("run", "steady", "--out", ""))
     assert "--db: " in _one_error_line(epsim_here("sweep", "steady", "--seeds", "0:1", "--db", ""))
+    assert "--out: an empty path" in _one_error_line(epsim_here("shrink", str(found), "--out", ""))
+    assert "--calibration: an empty path" in _one_error_line(epsim_here("run", "steady", "--calibration", ""))
+    db = tmp_path / "r.db"
+    assert epsim_here("sweep", "steady", "--seeds", "0:1", "--db", str(db)).returncode == 0
+    assert "--plots: an empty path" in _one_error_line(epsim_here("report", str(db), "--plots", ""))
 
 
 def test_run_out_with_a_directory_where_a_file_goes_is_refused_before_the_run(tmp_path: Path) -> None:
