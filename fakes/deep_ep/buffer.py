@@ -33,8 +33,6 @@ NUM_MAX_NVL_PEERS = 8
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
-_created: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rendezvous -> {rank: buffers made on it}
-_teams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rendezvous -> {k: the team of the k-th buffers}
 _static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernel -> {pid: LL buffer, >8 ranks}
 
 
@@ -71,6 +69,13 @@ class _Runtime:
     """Stands for the C++ object: ``runtime`` is None after destroy, and every call then fails as DeepEP's do."""
 
 
+def _per_group(rdv: Any, what: str) -> dict:
+    """State of one group's buffers, kept on its rendezvous so that it dies with it.  (Module-level weak-key
+    dictionaries keyed by the rendezvous kept every DeepEP run's simulated world alive: a team references the
+    kernel, and the kernel, through its threads, the rendezvous.)"""
+    return rdv.__dict__.setdefault(f"_deep_ep_{what}", {})
+
+
 class Buffer:
     num_sms: int = 20
 
@@ -102,10 +107,10 @@ class Buffer:
         self._nvshmem_size: int | None = None
 
         # The C++ constructor is local; then device ids and IPC handles are exchanged over the group.
-        made = _created.setdefault(rdv, {})
+        made = _per_group(rdv, "created")  # rank -> buffers made on this group
         k = made.get(self.rank, 0)
         made[self.rank] = k + 1
-        teams = _teams.setdefault(rdv, {})
+        teams = _per_group(rdv, "teams")  # k -> the team of the group's k-th buffers
         team = teams.get(k)
         if team is None:
             team = teams[k] = Team(self._kernel, rdv.pids, f"{rdv.name}/deep_ep#{k}")
