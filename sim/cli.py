@@ -370,11 +370,9 @@ def shrink(
     from . import bundle as bundle_mod
 
     bundle_mod.load(bundle)  # a folder that is not a bundle costs one line here, not after the --out checks
-    if out is not None and not out.strip():
-        raise BadOutput("--out: an empty path; give a name")
-    target = Path(out) if out is not None else shrink_mod.default_target(bundle)
     # Checked, not made: the shrunk bundle's folder appears only when there is a bundle to put in it.
-    bundle_dir(target, "--out" if out is not None else "the default --out", source=bundle, make=False)
+    target = bundle_dir(out if out is not None else shrink_mod.default_target(bundle),
+                        "--out" if out is not None else "the default --out", source=bundle, make=False)
     if corpus is not None:
         writable_dir(corpus, "--corpus", files=(), make=False)
         # Re-shrinking a corpus bundle into its own corpus replaces it, once the shrink is done: no source check.
