@@ -78,12 +78,19 @@ def _finalize_leftovers() -> None:
     run's objects only), instead of at some later collection or at exit.  What its finalizers say (a leaked DeepEP
     buffer's warning, the fake NIXL refusing a dead agent's call) is in the run's history already; on stderr it
     would only be noise under the command's output."""
+    with _quiet_nixl_log(), contextlib.redirect_stderr(io.StringIO()):
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _quiet_nixl_log():
+    """The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
+    happened, so its log stays quiet."""
     log = logging.getLogger("epsim.fakes.nixl")
     saved = log.propagate, log.handlers[:]
     log.propagate, log.handlers = False, [logging.NullHandler()]
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            gc.collect()
+        yield
     finally:
         log.propagate, log.handlers = saved
 
@@ -92,12 +99,7 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
     started = time.perf_counter()
     cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
                       calibration=calibration)
-    # The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
-    # happened, so its log stays quiet.
-    nixl_log = logging.getLogger("epsim.fakes.nixl")
-    saved = nixl_log.propagate, nixl_log.handlers[:]
-    nixl_log.propagate, nixl_log.handlers = False, [logging.NullHandler()]
-    try:
+    with _quiet_nixl_log():
         cluster.run()
         wall = time.perf_counter() - started
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
@@ -110,8 +112,6 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
             tape = cluster.kernel.streams.tape.entries
             (out / "tape.json").write_text(json.dumps({"seed": seed, "decisions": tape}, default=str) + "\n")
         cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
-    finally:
-        nixl_log.propagate, nixl_log.handlers = saved
     return result
 
 
