@@ -48,6 +48,10 @@ class DatabaseError(EpsimError, RuntimeError):
     """The results database cannot be opened or is not one of epsim's."""
 
 
+class NotOurs(DatabaseError):
+    """A SQLite file without epsim's tables: someone else's, to be left as it is."""
+
+
 class ResultsDB:
     def __init__(self, path: str | Path, create: bool = True) -> None:
         """``create``: make the file and its tables if missing (a sweep); else open an existing epsim results
@@ -63,9 +67,7 @@ class ResultsDB:
                     # Someone's file stays as it was unless it is already one of ours (WAL mode alone rewrites it).
                     try:
                         ResultsDB(self.path, create=False).close()
-                    except DatabaseError as exc:
-                        if "not an epsim results database" not in str(exc):
-                            raise
+                    except NotOurs:
                         raise DatabaseError(f"{self.path}: a file that is not an epsim results database; give a new "
                                             f"file, or one that epsim sweep wrote") from None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +87,8 @@ class ResultsDB:
         tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not {"meta", "runs"} <= tables:
             self._db.close()
-            raise DatabaseError(f"{self.path}: not an epsim results database (write one with `epsim sweep ... "
-                                f"--db {self.path}`)")
+            raise NotOurs(f"{self.path}: not an epsim results database (write one with `epsim sweep ... "
+                          f"--db {self.path}`)")
         found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         try:
             self._same_schema("unknown" if found is None else found[0])
@@ -160,26 +162,19 @@ class ResultsDB:
     def rows(self, where: str = "", params: Iterable[Any] = ()) -> Iterator[dict[str, Any]]:
         cur = self._db.execute(f"SELECT id, {', '.join(_COLUMNS)} FROM runs {where} ORDER BY id", tuple(params))
         for row_id, *values in cur:
-            try:
-                yield {c: (json.loads(v) if c in _JSON and v is not None else v) for c, v in zip(_COLUMNS, values)}
-            except ValueError:
-                bad = next(c for c, v in zip(_COLUMNS, values) if c in _JSON and v is not None and not _is_json(v))
-                raise DatabaseError(f"{self.path}: run {row_id}'s {bad} is not JSON; the database was changed by "
-                                    f"something other than epsim") from None
-
-
-def _is_json(text: Any) -> bool:
-    try:
-        json.loads(text)
-    except (TypeError, ValueError):
-        return False
-    return True
+            row = dict(zip(_COLUMNS, values))
+            for c in _COLUMNS:  # (in column order, so that the first bad cell named is always the same)
+                if c in _JSON and row[c] is not None:
+                    try:
+                        row[c] = json.loads(row[c])
+                    except ValueError:
+                        raise DatabaseError(f"{self.path}: run {row_id}'s {c} is not JSON; the database was changed "
+                                            f"by something other than epsim") from None
+            yield row
 
 
 def open_existing(path: str | Path) -> ResultsDB:
     """A database that must already exist (``epsim report``): a missing file is an error, not an empty report."""
-    if Path(path).is_dir():
-        raise DatabaseError(f"{path}: that is a directory; give a results database file")
-    if not Path(path).is_file():
+    if not Path(path).exists():  # (a directory is refused by ResultsDB itself)
         raise DatabaseError(f"{path}: no such results database (write one with `epsim sweep ... --db {path}`)")
     return ResultsDB(path, create=False)
