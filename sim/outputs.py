@@ -30,10 +30,7 @@ def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES
     if make or p.is_dir():
         _ensure(p, f"{option} {path}")
     else:
-        existing = next(a for a in p.absolute().parents if a.exists())
-        if not existing.is_dir():
-            raise BadOutput(f"{option} {path}: {existing} is a file, not a directory")
-        _ensure(existing, f"{option} {path}")
+        _ensure(_nearest_dir(p, option, path), f"{option} {path}")
     return p
 
 
@@ -42,11 +39,7 @@ def writable_file(path: str | Path, option: str) -> Path:
     p = _nonempty(path, option)
     if p.is_dir():
         raise BadOutput(f"{option} {path}: that is a directory; give a file name")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise BadOutput(f"{option} {path}: {parent} is a file, not a directory")
-            break
+    _nearest_dir(p, option, path)  # a file on the way is named, not left to mkdir's "Not a directory"
     _ensure(p.parent, f"{option} {path}")
     return p
 
@@ -65,6 +58,14 @@ def bundle_dir(path: str | Path, option: str, *, source: str | Path | None = Non
         raise BadOutput(f"{option} {path}: the directory holds other files and is not a failure bundle; give a new "
                         f"or empty directory, or a bundle to replace")
     return p
+
+
+def _nearest_dir(p: Path, option: str, path: str | Path) -> Path:
+    """The closest of ``p``'s parents that exists, which must be a directory."""
+    existing = next(a for a in p.absolute().parents if a.exists())
+    if not existing.is_dir():
+        raise BadOutput(f"{option} {path}: {existing} is a file, not a directory")
+    return existing
 
 
 def _nonempty(path: str | Path, option: str) -> Path:
