@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from . import __version__
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
-from .errors import EpsimError
+from .errors import EpsimError, validation_line
 
 FORMAT = 1
 
@@ -160,9 +160,7 @@ def load(path: str | Path) -> Bundle:
     try:
         _Stored.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise BundleError(f"{meta}: {where}: {err['msg'].split(' or instance of')[0]}") from None
+        raise BundleError(f"{meta}: {validation_line(exc)}") from None
     if not (path / "scenario.yaml").is_file():
         raise BundleError(f"{path}: scenario.yaml is missing")
     b = Bundle(path, data)

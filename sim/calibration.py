@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ScenarioError
+from .errors import ScenarioError, validation_line
 
 
 class Calibration(BaseModel):
@@ -53,9 +53,7 @@ def load(path: str | Path) -> Calibration:
     try:
         return Calibration.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "the file"
-        raise ScenarioError(f"calibration {p}: {where}: {err['msg']}") from None
+        raise ScenarioError(f"calibration {p}: {validation_line(exc)}") from None
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:

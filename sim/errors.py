@@ -26,3 +26,11 @@ class BackendUnavailable(EpsimError, RuntimeError):
 
 class BadOutput(EpsimError, ValueError):
     """An output path (``--out``, ``--bundles``, ``--corpus``) epsim cannot write to."""
+
+
+def validation_line(exc) -> str:
+    """``where: what`` for the first error of a pydantic ValidationError in a JSON file epsim reads (a calibration, a
+    bundle's failure.json): one line, without pydantic's internal class names ("or instance of _Config")."""
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or "the file"
+    return f"{where}: {err['msg'].split(' or instance of')[0]}"
