@@ -300,6 +300,7 @@ def sweep(
     bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
     if bundles is not None:  # the default sits next to --db, which the results database checks itself
         writable_dir(bundles, "--bundles")
+    eng.start()  # a Ray cluster that cannot be joined is refused before the database is made
     command = "epsim sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
         outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -71,6 +72,9 @@ class LocalEngine:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.timeout = timeout
         self._ctx = mp.get_context("spawn")
+
+    def start(self) -> None:
+        """Nothing to connect to: workers start with the first runs."""
 
     def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
         queue = deque(specs)
@@ -149,11 +153,14 @@ class RayEngine:
         self.address = address
         self.workers = workers
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start or join Ray; a sweep calls this before it opens its database, so an address that cannot be joined
+        leaves nothing behind."""
         ray = self.ray
         if ray.is_initialized():
             return
         if self.address:
+            _check_reachable(self.address)
             try:
                 ray.init(address=self.address, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -164,7 +171,7 @@ class RayEngine:
 
     def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
         ray = self.ray
-        self._start()
+        self.start()
         task = ray.remote(num_cpus=1, max_retries=0)(execute)
         queue = deque(specs)
         limit = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -195,6 +202,23 @@ class RayEngine:
             return failed_row(spec, "worker_crash", f"Ray worker died: {type(exc).__name__}", elapsed)
         except exceptions.RayError as exc:
             return failed_row(spec, "error", f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}", elapsed)
+
+
+REACH_TIMEOUT_S = 10.0
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a ``HOST:PORT`` (or ``ray://HOST:PORT``) nothing listens on, in one line: Ray itself retries such an
+    address for minutes (a refused port on this machine, for one).  ``auto`` and other forms are left to Ray."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise BackendUnavailable(f"--ray-address {address}: cannot reach {hostport} ({why})") from None
 
 
 def make(name: str, workers: int | None, timeout: float | None, address: str | None = None):

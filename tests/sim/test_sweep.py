@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -155,6 +156,21 @@ def test_cli_sweep_bad_input_is_one_line(tmp_path: Path) -> None:
         assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
     done = epsim("replay", str(tmp_path))
     assert done.returncode == 2 and "not a failure bundle" in done.stderr
+
+
+def test_a_ray_address_nothing_listens_on_is_one_line_and_leaves_no_database(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
+    with socket.socket() as s:  # a port of this machine that nothing listens on: Ray would retry it for minutes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        db = tmp_path / "r.db"
+        done = epsim_here("sweep", "steady", "--seeds", "0:1", "--engine", "ray", "--ray-address", address,
+                          "--db", str(db))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [f"epsim: error: --ray-address {address}: cannot reach "
+                                                    f"127.0.0.1:{port} (Connection refused)"]
+        assert not db.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one() -> None:
