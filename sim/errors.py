@@ -34,3 +34,9 @@ def validation_line(exc) -> str:
     err = exc.errors()[0]
     where = ".".join(str(x) for x in err["loc"]) or "the file"
     return f"{where}: {err['msg'].split(' or instance of')[0]}"
+
+
+def refuse_empty(option: str, values) -> None:
+    """``--strategy ''`` or ``--profile ''`` would silently mean "the scenario's own": refuse it, for run and sweep."""
+    if any(not v.strip() for v in values):
+        raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")

@@ -9,7 +9,7 @@ import sys
 
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
-from .errors import ScenarioError
+from .errors import ScenarioError, refuse_empty
 from .run import Result, run_scenario
 
 
@@ -25,8 +25,7 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
     if overrides:
         sc = scenario_mod.with_overrides(sc, **parse_overrides(overrides))
     for option, value in (("--strategy", strategy), ("--profile", profile)):
-        if value is not None and not value.strip():
-            raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")
+        refuse_empty(option, [value] if value is not None else [])
     fault_catalogue.check_fits([fault_catalogue.parse(f) for f in faults], sc)
     if backend == "real":
         if calibration is not None:

@@ -22,7 +22,7 @@ import yaml
 
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
-from .errors import ScenarioError
+from .errors import ScenarioError, refuse_empty
 
 SIM_VERDICTS = ("pass", "safety", "liveness", "crash")  # what a simulated run can be judged
 RUN_FAILURES = ("error", "timeout", "worker_crash")  # what can happen to the run itself
@@ -83,8 +83,7 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
     sc = scenario_mod.load(scenario_ref)
     text = scenario_mod.to_yaml(sc)
     for option, values in (("--strategy", strategies), ("--profile", profiles)):
-        if any(not v.strip() for v in values):
-            raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")
+        refuse_empty(option, values)
     strategies = list(dict.fromkeys(strategies)) or [sc.strategy]
     profiles = list(dict.fromkeys(profiles)) or [sc.profile]
     for p in profiles:
