@@ -471,14 +471,18 @@ def bench(
     Console(width=max(120, Console().width)).print(table)
 
 
-def _quiet_fake_nixl() -> None:
-    """Communicators a run leaked (``gc.never``, a broken strategy) are finalized at interpreter exit, where the fake
-    NIXL would log each call it refuses, as the real one prints to stderr.  The run's history already says what
-    happened; after the command is done, those lines would only be noise under its output."""
+def _quiet_fakes() -> None:
+    """Communicators and buffers a run leaked (``gc.never``, a broken strategy) are finalized at interpreter exit,
+    where the fake NIXL would log each call it refuses, as the real one prints to stderr, and the fake DeepEP would
+    print its leak warning.  The run's history already says what happened; after the command is done, those lines
+    would only be noise under its output."""
     import logging
+
+    from fakes.deep_ep.buffer import quiet_console_for_good
 
     log = logging.getLogger("epsim.fakes.nixl")
     log.propagate, log.handlers = False, [logging.NullHandler()]
+    quiet_console_for_good()
 
 
 # Set by a simulated `epsim run` once its verdict is out: nothing is left but tearing down the simulated world (a
@@ -496,7 +500,7 @@ def _exit(status: int, fast: bool) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
-    atexit.register(_quiet_fake_nixl)
+    atexit.register(_quiet_fakes)
     fast = argv is None  # the program itself, not a caller that goes on running in this process
     if fast and hasattr(faulthandler, "register"):  # `kill -USR1 PID`: every thread's stack on stderr, run goes on
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

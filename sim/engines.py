@@ -27,10 +27,10 @@ from .sweep import RunSpec, execute, failed_row
 def _worker_main(conn) -> None:
     import atexit
 
-    from .cli import _quiet_fake_nixl
+    from .cli import _quiet_fakes
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    atexit.register(_quiet_fake_nixl)  # what leaked runs' finalizers log at exit is in their histories
+    atexit.register(_quiet_fakes)  # what leaked runs' finalizers log at exit is in their histories
     while True:
         try:
             spec = conn.recv()

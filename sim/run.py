@@ -78,19 +78,22 @@ def _finalize_leftovers() -> None:
     run's objects only), instead of at some later collection or at exit.  What its finalizers say (a leaked DeepEP
     buffer's warning, the fake NIXL refusing a dead agent's call) is in the run's history already; on stderr it
     would only be noise under the command's output."""
-    with _quiet_nixl_log(), contextlib.redirect_stderr(io.StringIO()):
+    with _quiet_fakes(), contextlib.redirect_stderr(io.StringIO()):
         gc.collect()
 
 
 @contextlib.contextmanager
-def _quiet_nixl_log():
-    """The fake NIXL logs every refused call, as the real one does on stderr; inside a run the history says what
-    happened, so its log stays quiet."""
+def _quiet_fakes():
+    """The fake NIXL logs every refused call, as the real one does on stderr, and the fake DeepEP prints its leak
+    warning on stdout, as the real one does; inside a run the history says what happened, so both stay quiet."""
+    from fakes.deep_ep.buffer import quiet_console
+
     log = logging.getLogger("epsim.fakes.nixl")
     saved = log.propagate, log.handlers[:]
     log.propagate, log.handlers = False, [logging.NullHandler()]
     try:
-        yield
+        with quiet_console():
+            yield
     finally:
         log.propagate, log.handlers = saved
 
@@ -99,7 +102,7 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
     started = time.perf_counter()
     cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
                       calibration=calibration)
-    with _quiet_nixl_log():
+    with _quiet_fakes():
         cluster.run()
         wall = time.perf_counter() - started
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)

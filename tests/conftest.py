@@ -77,6 +77,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_unconfigure(config) -> None:
     # Communicators some tests leak on purpose (gc.never, broken strategies) are finalized at interpreter exit, where
     # the fake NIXL logs the calls it refuses; the tests have judged them already, as `epsim run` has (sim/cli.py).
-    from sim.cli import _quiet_fake_nixl
+    from sim.cli import _quiet_fakes
 
-    _quiet_fake_nixl()
+    _quiet_fakes()

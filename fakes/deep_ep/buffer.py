@@ -16,6 +16,7 @@ rank, then token index (the real kernels' order is not specified; the counts and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import weakref
@@ -34,6 +35,33 @@ CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
 _static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernel -> {pid: LL buffer, >8 ranks}
+
+
+_console_quiet = 0  # > 0 while a simulation holds the console (see quiet_console)
+
+
+def _printf(text: str) -> None:
+    """What DeepEP's C++ ``printf``s: to stdout, flushed.  A simulated run quiets it, since it must not land in the
+    simulator's own output (``--json`` on stdout) and the run's history records the same event."""
+    if not _console_quiet:
+        print(text, file=sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_console():
+    """Inside the block, the fake's console lines (the destructor's leak warning) are dropped."""
+    global _console_quiet
+    _console_quiet += 1
+    try:
+        yield
+    finally:
+        _console_quiet -= 1
+
+
+def quiet_console_for_good() -> None:
+    """From now on (a process about to exit, whose leaked buffers are finalized at interpreter shutdown)."""
+    global _console_quiet
+    _console_quiet += 1
 
 
 class EventOverlap:
@@ -438,8 +466,8 @@ class Buffer:
         if getattr(self, "explicitly_destroy", False):
             self.state = LEAKED
             try:
-                print("WARNING: destroy() was not called before DeepEP buffer destruction, which can leak "
-                      "resources.", file=sys.stderr)
+                _printf("WARNING: destroy() was not called before DeepEP buffer destruction, which can leak "
+                        "resources.")
                 self._kernel.history.record("deep_ep.leak", pid=self._pid, team=self._team.name)
             except Exception:  # noqa: BLE001 - a destructor never raises
                 pass
