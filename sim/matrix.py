@@ -133,9 +133,10 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "again. A late cleanup leaves an old buffer alive, and the new buffer's init only bumps the old "
             "world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its buffers have "
             "no strong reference besides the MoE layer's: the survivors' old buffers are dropped at the switch "
-            "and leak (the cleanup finds an empty cache), while ranks leaving at a scale-down destroy theirs "
-            "collectively at exit and wait for peers that never come. That last cell follows the reference's "
-            "reading of vLLM's managers; it has not been seen on hardware. With `explicitly_destroy=False`, the "
+            "and leak (DeepEP warns; the cleanup finds an empty cache), the first problem of every high-throughput "
+            "run that reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit "
+            "and wait for peers that never come. This row follows the reference's reading of vLLM's managers; it "
+            "has not been seen on hardware. With `explicitly_destroy=False`, the "
             "collector runs the collective destroy, so the rank whose buffer is never collected is the one the "
             "others wait for.",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]

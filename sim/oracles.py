@@ -9,7 +9,10 @@ Safety invariants (checked as the run goes, each violation tied to the event whe
 - ``stale_peer``: after a reconfiguration completed, a live agent still has a departed agent loaded;
 - ``agent_threads``: an agent was called by one thread while another thread held open transfer requests on it
   (NIXL 1.5.1 agents run in sync mode NONE: two threads using one agent race);
-- ``leak``: after shutdown an agent is still alive, or a registration was never released.
+- ``leak``: after shutdown an agent is still alive, or a registration was never released; or a DeepEP buffer made
+  with ``explicitly_destroy=True`` was dropped without ``destroy()`` (DeepEP only warns, and its NVLink/RDMA buffers
+  and its hold on NVSHMEM stay for the life of the process: vLLM's weak buffer cache loses such a buffer when its
+  last strong reference goes before the cleanup, reference fault 3).
 
 Observations that are not violations under the run's profile (two live agents of one process registering the same
 pages on ``dram``) are counted in ``metrics``; under ``rocm-strict`` the fake refuses them and the run crashes.
@@ -171,6 +174,11 @@ class Oracles:
                                             f"{self.agent_pid.get(conn)} is still alive after shutdown holding "
                                             f"{len(ranges)} registrations")
             return
+
+    def buffer_leaked(self, pid: int, team: str, index: int, t: float) -> None:
+        self.problems.append(Problem("safety", "leak", f"pid {pid}: DeepEP buffer {team} was dropped without "
+                                                      "destroy() (explicitly_destroy=True): DeepEP only warns, and "
+                                                      "its buffers stay allocated", index, t))
 
     def crashed(self, thread: str, pid: int, exc: BaseException, index: int) -> None:
         from fakes.torch_dist import CollectiveTimeout

@@ -95,9 +95,15 @@ def test_a_buffer_collected_on_one_rank_only_is_liveness_naming_that_rank(deep_c
     assert "finalizer Buffer.__del__" in r.detail and "destroy" in r.detail and "(pids [1])" in r.detail
 
 
-def test_intranode_high_throughput_scale_up_never_touches_nvshmem(deep_cells) -> None:
-    assert deep(deep_cells, "deepep_high_throughput", "stock", "scale-up").verdict == "pass"
-    assert deep(deep_cells, "deepep_high_throughput", "stock", "scale-up, cleanup 5 s late").verdict == "pass"
+def test_intranode_high_throughput_never_touches_nvshmem_but_leaks_the_survivors_old_buffers(deep_cells) -> None:
+    # The MoE layer held the only strong reference: the switch drops the old buffer, DeepEP warns, the cleanup finds
+    # an empty weak cache.  No NVSHMEM world is involved, so a late cleanup changes nothing.
+    for column in ("scale-up", "scale-up, cleanup 5 s late", "scale-up, rank 1's LL parity skewed"):
+        r = deep(deep_cells, "deepep_high_throughput", "stock", column)
+        assert (r.verdict, r.invariant) == ("safety", "leak"), (column, r.detail)
+        assert "DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy()" in r.detail
+    # With the buffers held and destroyed explicitly (LL keeps a class-level reference), nothing leaks.
+    assert deep(deep_cells, "deepep_low_latency", "elastic", "scale-up").verdict == "pass"
 
 
 def test_a_skewed_low_latency_parity_hangs_the_peers_waiting_for_that_rank(deep_cells) -> None:
@@ -106,9 +112,9 @@ def test_a_skewed_low_latency_parity_hangs_the_peers_waiting_for_that_rank(deep_
 
 
 def test_a_handle_from_before_the_ep_size_changed_is_refused(deep_cells) -> None:
-    for backend, nvshmem in (("deepep_low_latency", "elastic"), ("deepep_high_throughput", "stock")):
-        r = deep(deep_cells, backend, nvshmem, "scale-up, rank 0 combines with a stale handle")
-        assert r.verdict == "crash" and "handle from another buffer (EP size 2, this buffer 4)" in r.detail
+    # (High throughput leaks its old buffers at the switch first; tests/unit checks its handles.)
+    r = deep(deep_cells, "deepep_low_latency", "elastic", "scale-up, rank 0 combines with a stale handle")
+    assert r.verdict == "crash" and "handle from another buffer (EP size 2, this buffer 4)" in r.detail
 
 
 @pytest.fixture(scope="module")
