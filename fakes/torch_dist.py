@@ -7,6 +7,13 @@ and dicts rebuilt around shared immutable leaves, anything else pickled), so no 
 mutable objects.  A collective that some member never reaches raises :class:`CollectiveTimeout` once the group's
 timeout has passed since its first member arrived (vLLM's EPLB barrier waits 5 minutes), naming the missing ranks.
 
+Groups are stateless, as vLLM's elastic EP groups are (a ``ProcessGroup`` made outside ``new_group``, not registered
+in torch's world map): ``group.rank()``, ``get_world_size(group)``, the collectives and ``broadcast_object_list(...,
+group_src=)`` work on them, while ``get_rank(group)`` and ``broadcast_object_list(..., src=)`` (a global rank) raise
+the ValueError torch raises.  As with gloo, a collective that timed out leaves the group's connections closed (every
+later collective on it fails at once, a late arrival included), and a collective whose contributions do not fit
+together (shapes, dtypes, list lengths, roots) fails on every member instead of leaving the others waiting.
+
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
 ``group`` argument is a fake group, and to the real functions otherwise, so code written against
 ``torch.distributed`` runs unmodified.
@@ -20,7 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-ReduceOps = ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
+ReduceOps = ("SUM", "MAX", "MIN", "PRODUCT", "AVG", "BAND", "BOR", "BXOR")
+_BITWISE = ("BAND", "BOR", "BXOR")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -43,6 +51,7 @@ class _Op:
     done: Any = None  # simpy event, value = result per rank
     deadline: Any = None  # simpy timeout from the first arrival: one watchdog per collective, not per waiter
     copiers: dict = field(default_factory=dict)  # id(result) -> a function copying it, while the results live
+    error: tuple[int, BaseException] | None = None  # (the rank that combined, what combining raised)
 
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -112,15 +121,24 @@ class Rendezvous:
         self._ops: dict[int, _Op] = {}
         self._next_seq = [0] * len(pids)
         self.destroyed = False
+        self.broken: str | None = None  # why the group's connections closed; every later collective fails at once
 
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
 
-    def run(self, rank: int, kind: str, contribution: Any, combine, private: bool = False) -> Any:
+    def run(self, rank: int, kind: str, contribution: Any, combine, private: bool = False,
+            timeout_s: float | None = None) -> Any:
         """Issue this rank's collective ``kind`` and wait for its result.  ``private``: the caller only reads the
         result (all_reduce copies it into the rank's own tensor), so it is not copied for each rank."""
+        return self.finish(self.arrive(rank, kind, contribution, combine), rank, private, timeout_s)
+
+    def arrive(self, rank: int, kind: str, contribution: Any, combine) -> _Op:
+        """Issue this rank's collective without waiting for it (``async_op=True`` returns here)."""
         if self.destroyed:
             raise RuntimeError(f"{kind} on destroyed group {self.name}")
+        if self.broken is not None:
+            raise RuntimeError(f"{kind} on group {self.name}: connection closed by peer ({self.broken})")
+        mine = _copy(contribution)  # serialized before anything is sent: an object that cannot be is refused here
         seq = self._next_seq[rank]
         self._next_seq[rank] += 1
         op = self._ops.get(seq)
@@ -130,30 +148,52 @@ class Rendezvous:
         elif op.kind != kind:
             raise CollectiveMismatch(f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, "
                                      f"others {op.kind}")
-        op.args[rank] = _copy(contribution)
+        op.args[rank] = mine
         self.kernel.history.record("collective.arrive", group=self.name, op=kind, seq=seq,
                                    pid=self.pids[rank], rank=rank)
         if len(op.args) == len(self.pids):
-            results = combine([op.args[r] for r in range(len(self.pids))])
+            try:
+                results = combine([op.args[r] for r in range(len(self.pids))])
+            except Exception as exc:  # contributions that do not fit: every member fails, none waits for ever
+                op.error, results = (rank, exc), None
+                self.broken = f"collective #{seq} failed on rank {rank}"
             del self._ops[seq]
             if self.latency_s > 0:
                 self.kernel.env.timeout(self.latency_s).callbacks.append(
                     lambda _, done=op.done, results=results: done.succeed(results))
             else:
                 op.done.succeed(results)
+        return op
+
+    def finish(self, op: _Op, rank: int, private: bool = False, timeout_s: float | None = None) -> Any:
+        """Wait for ``op`` (issued by :meth:`arrive`) and return this rank's result.  ``timeout_s``: a
+        ``Work.wait(timeout)`` shorter than the group's own timeout."""
+        kind, seq = op.kind, op.seq
+        limit = self.timeout_s
         if not op.done.triggered:
-            self.kernel.wait(self.kernel.env.any_of([op.done, op.deadline]), f"{kind} #{seq} on group {self.name}")
+            env = self.kernel.env
+            waits = [op.done, op.deadline]
+            if timeout_s is not None and timeout_s < self.timeout_s:
+                limit = timeout_s
+                waits.append(env.timeout(timeout_s))
+            self.kernel.wait(env.any_of(waits), f"{kind} #{seq} on group {self.name}")
             if not op.done.triggered and len(op.args) == len(self.pids):  # everyone came: only the latency is left
                 self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")
-        ok = op.done.triggered
-        results = op.done.value if ok else None
-        if not ok:
+        if not op.done.triggered:
             missing = [r for r in range(len(self.pids)) if r not in op.args]
             self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
                                        missing=[self.pids[r] for r in missing])
+            self.broken = self.broken or f"collective #{seq} timed out on rank {rank}"
             raise CollectiveTimeout(
-                f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
+                f"{kind} #{seq} on group {self.name} timed out after {limit:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
+        if op.error is not None:
+            who, exc = op.error
+            if who == rank:
+                raise exc
+            raise RuntimeError(f"{kind} #{seq} on group {self.name}: connection closed by peer (rank {who}: "
+                               f"{type(exc).__name__}: {exc})")
+        results = op.done.value
         return results[rank] if private else _copy(results[rank], op.copiers)
 
 
@@ -182,17 +222,28 @@ class FakeProcessGroup:
 
 
 class _Work:
-    def __init__(self, fn) -> None:
-        self._fn, self._done = fn, False
+    """What ``async_op=True`` returns: the collective is issued at the call and completes on its own; ``wait``
+    waits for it (``timeout``, as a ``timedelta`` or seconds, bounds that wait) and raises what it raised."""
+
+    def __init__(self, g: FakeProcessGroup, op: _Op, private: bool, then: Callable[[Any], Any] | None = None) -> None:
+        self._g, self._op, self._private, self._then = g, op, private, then
+        self._waited = False
 
     def wait(self, timeout=None) -> bool:
-        if not self._done:
-            self._fn()
-            self._done = True
+        if not self._waited:
+            limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            result = self._g.rendezvous.finish(self._op, self._g.rank(), self._private,
+                                               None if limit is None else float(limit))
+            self._waited = True
+            if self._then is not None:
+                self._then(result)
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._op.done.triggered
+
+    def is_success(self) -> bool:
+        return self._op.done.triggered and self._op.error is None
 
 
 def _group(group) -> FakeProcessGroup:
@@ -203,7 +254,8 @@ def _group(group) -> FakeProcessGroup:
 
 # -- the torch.distributed surface -------------------------------------------------------------------------
 def get_rank(group=None) -> int:
-    return _group(group).rank()
+    g = _group(group)
+    raise ValueError(f"Group {g!r} is not registered, please create group with torch.distributed.new_group API")
 
 
 def get_world_size(group=None) -> int:
@@ -213,49 +265,91 @@ def get_world_size(group=None) -> int:
 def all_gather_object(object_list: list, obj: Any, group=None) -> None:
     g = _group(group)
     gathered = g.rendezvous.run(g.rank(), "all_gather_object", obj, lambda objs: [objs] * len(objs))
-    object_list[:] = gathered
+    for i, value in enumerate(gathered):  # as torch fills it: a list shorter than the group raises IndexError
+        object_list[i] = value
 
 
 def broadcast_object_list(object_list: list, src: int | None = None, group=None, device=None,
                           group_src: int | None = None) -> None:
     g = _group(group)
-    root = group_src if group_src is not None else (src if src is not None else 0)
-    if src is not None and group_src is None:
-        root = g.rendezvous.pids.index(src) if src in g.rendezvous.pids else src
-    result = g.rendezvous.run(g.rank(), "broadcast_object_list", list(object_list),
-                              lambda objs: [objs[root]] * len(objs))
-    object_list[:] = result
+    if src is not None and group_src is not None:
+        raise ValueError("Can't specify both group_rank and global_rank")
+    if group_src is None:  # src (default 0) is a global rank, which a stateless group has no map for
+        raise ValueError(f"Process group {g!r} is not initialized in the world group map. Please initialize the "
+                         "group first.")
+    if not 0 <= group_src < g.size():
+        raise ValueError(f"Group rank {group_src} is not part of group {g!r}")
+    root = group_src
+
+    def pick(contributions):
+        roots = {r for r, _ in contributions}
+        sizes = {len(objs) for _, objs in contributions}
+        if len(roots) > 1 or len(sizes) > 1:
+            raise CollectiveMismatch(f"broadcast_object_list on group {g.group_name}: ranks gave sources "
+                                     f"{sorted(roots)} and list lengths {sorted(sizes)}")
+        return [contributions[root][1]] * len(contributions)
+
+    result = g.rendezvous.run(g.rank(), "broadcast_object_list", (root, list(object_list)), pick)
+    if g.rank() != root:  # the source keeps its own objects
+        for i, value in enumerate(result):
+            object_list[i] = value
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None):
     g = _group(group)
-    work = _Work(lambda: g.rendezvous.run(g.rank(), "barrier", None, lambda objs: [None] * len(objs)))
+    work = _Work(g, g.rendezvous.arrive(g.rank(), "barrier", None, lambda objs: [None] * len(objs)), True)
     if async_op:
         return work
     work.wait()
     return None
 
 
-def all_reduce(tensor, op=None, group=None, async_op: bool = False):
-    g = _group(group)
-    name = getattr(op, "name", None) or (str(op).rsplit(".", 1)[-1] if op is not None else "SUM")
-    name = name.upper()
+def _reduce_op_name(op) -> str:
+    if op is None:
+        return "SUM"
+    if isinstance(op, str):
+        raise TypeError(f"all_reduce(): op must be a torch.distributed.ReduceOp, not {op!r}")
+    name = (getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]).upper()
     if name not in ReduceOps:
         raise ValueError(f"all_reduce op {op!r} not supported by the fake; use one of {ReduceOps}")
+    return name
+
+
+def all_reduce(tensor, op=None, group=None, async_op: bool = False):
+    import torch
+
+    g = _group(group)
+    name = _reduce_op_name(op)
+    integral = not (tensor.is_floating_point() or tensor.is_complex())
+    if name in _BITWISE and not integral:
+        raise RuntimeError(f"Cannot use ReduceOp.{name} with non-integral dtype")
+    if name == "AVG" and integral:
+        dtype = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+                 torch.uint8: "Byte", torch.bool: "Bool"}.get(tensor.dtype, str(tensor.dtype))
+        raise RuntimeError(f"result type Float can't be cast to the desired output type {dtype}")
 
     def reduce(values):
-        import torch
-
+        first = values[0]
+        if any(v.dtype != first.dtype or v.shape != first.shape for v in values):
+            raise RuntimeError(f"all_reduce on group {g.group_name}: ranks gave tensors of different shapes or "
+                               f"dtypes ({sorted({(tuple(v.shape), str(v.dtype)) for v in values})}): gloo "
+                               "receives a different data size than it expects")
+        if name in _BITWISE:
+            fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[name]
+            out = values[0].clone()
+            for v in values[1:]:
+                out = fn(out, v)
+            return [out] * len(values)
         stacked = torch.stack(values)
         out = {"SUM": lambda s: s.sum(0), "MAX": lambda s: s.max(0).values, "MIN": lambda s: s.min(0).values,
                "PRODUCT": lambda s: s.prod(0), "AVG": lambda s: s.sum(0) / len(values)}[name](stacked)
         return [out] * len(values)
 
-    def go():
-        result = g.rendezvous.run(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce, private=True)
-        tensor.copy_(result)  # casts to the tensor's dtype, as the real all_reduce leaves it
-
-    work = _Work(go)
+    op_ = g.rendezvous.arrive(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce)
+    # The result lands in the rank's tensor when the collective completes, waited for or not (as gloo's does).
+    rank = g.rank()
+    op_.done.callbacks.append(lambda ev: ev.value is not None and tensor.copy_(ev.value[rank]))
+    work = _Work(g, op_, True, tensor.copy_)  # casts to the tensor's dtype, as the real all_reduce leaves it
     if async_op:
         return work
     work.wait()

@@ -478,11 +478,11 @@ def _quiet_fakes() -> None:
     would only be noise under its output."""
     import logging
 
-    from fakes.deep_ep.buffer import quiet_console_for_good
-
     log = logging.getLogger("epsim.fakes.nixl")
     log.propagate, log.handlers = False, [logging.NullHandler()]
-    quiet_console_for_good()
+    deep_ep = sys.modules.get("fakes.deep_ep.buffer")  # only if a run used it: no imports at interpreter exit
+    if deep_ep is not None:
+        deep_ep.quiet_console_for_good()
 
 
 # Set by a simulated `epsim run` once its verdict is out: nothing is left but tearing down the simulated world (a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import pickle
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def test_unmodified_torch_distributed_calls_run_on_fake_groups() -> None:
         objs = [f"from {g.rank()}"]
         dist.broadcast_object_list(objs, group_src=1, group=g)
         dist.barrier(group=g)
-        out[g.rank()] = (gathered, t.item(), objs, dist.get_rank(g), dist.get_world_size(g), k.now())
+        out[g.rank()] = (gathered, t.item(), objs, g.rank(), dist.get_world_size(g), k.now())
 
     with torch_dist.installed():
         for g in groups:
@@ -169,3 +170,167 @@ def test_mismatched_collectives_are_reported() -> None:
     k.spawn("b", b, groups[1])
     k.run()
     assert seen == ["mismatch"]
+
+
+def _spawn_all(k, groups, body):
+    out = {}
+
+    def main(g):
+        try:
+            out[g.rank()] = ("ok", body(g))
+        except Exception as exc:  # noqa: BLE001 - the test compares what each rank saw
+            out[g.rank()] = (type(exc).__name__, str(exc), k.now())
+
+    for g in groups:
+        k.spawn(f"r{g.rank()}", main, g, pid=10 + g.rank())
+    k.run()
+    return [out[r] for r in sorted(out)]
+
+
+def test_stateless_groups_refuse_get_rank_and_a_global_src_as_torch_does() -> None:
+    # vLLM's elastic EP groups are stateless ProcessGroups, never registered in torch's world map (checked on gloo).
+    k, groups = world(2)
+
+    def body(g):
+        with pytest.raises(ValueError, match="is not registered, please create group with torch.distributed.new_group"):
+            torch_dist.get_rank(g)
+        for kwargs in ({"src": 0}, {}):
+            with pytest.raises(ValueError, match="is not initialized in the world group map"):
+                torch_dist.broadcast_object_list(["x"], group=g, **kwargs)
+        with pytest.raises(ValueError, match="Can't specify both"):
+            torch_dist.broadcast_object_list(["x"], src=0, group_src=0, group=g)
+        with pytest.raises(ValueError, match="Group rank 5 is not part of group"):
+            torch_dist.broadcast_object_list(["x"], group_src=5, group=g)
+        mine = [object()] if g.rank() == 0 else [None]
+        keep = mine[0]
+        torch_dist.broadcast_object_list(mine, group_src=0, group=g)  # refused calls issued nothing
+        return mine[0] is keep, torch_dist.get_world_size(g)
+
+    got = _spawn_all(k, groups, body)
+    assert got[0] == ("ok", (True, 2))  # the source keeps its own objects
+    assert got[1] == ("ok", (False, 2))  # the others receive copies
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "list_length", "root"])
+def test_contributions_that_do_not_fit_fail_every_member_at_once(case: str) -> None:
+    k, groups = world(2)
+
+    def body(g):
+        k.sleep(2.0 * g.rank())
+        if case == "shape":
+            torch_dist.all_reduce(torch.ones(2 + g.rank()), group=g)
+        elif case == "dtype":
+            torch_dist.all_reduce(torch.ones(2, dtype=torch.float32 if g.rank() else torch.float64), group=g)
+        elif case == "list_length":
+            torch_dist.broadcast_object_list([1] * (1 + g.rank()), group_src=0, group=g)
+        else:
+            torch_dist.broadcast_object_list([1], group_src=g.rank(), group=g)
+        return "returned"
+
+    got = _spawn_all(k, groups, body)
+    assert [kind for kind, *_ in got] == ["RuntimeError", "RuntimeError" if case in ("shape", "dtype")
+                                          else "CollectiveMismatch"]
+    assert got[0][2] == got[1][2] == 2.0, got  # when the last member arrived, not after a timeout
+    assert "connection closed by peer (rank 1" in got[0][1]
+    # gloo closes the connections: the group is unusable afterwards
+    assert groups[0].rendezvous.broken is not None
+
+
+def test_after_a_timeout_the_group_is_closed_and_a_late_arrival_fails_at_once() -> None:
+    k, groups = world(2, timeout=10.0)
+
+    def body(g):
+        if g.rank() == 1:
+            k.sleep(15.0)  # arrives after rank 0 gave up
+        torch_dist.barrier(group=g)
+        return "ok"
+
+    got = _spawn_all(k, groups, body)
+    assert got[0] == ("CollectiveTimeout", "barrier #0 on group eplb#0 timed out after 10 s: ranks [1] (pids [11]) "
+                                           "never arrived", 10.0)
+    assert got[1][0] == "RuntimeError" and got[1][2] == 15.0 and "connection closed by peer" in got[1][1]
+
+
+def test_work_wait_timeout_bounds_the_wait() -> None:
+    import datetime
+
+    k, groups = world(2)
+
+    def body(g):
+        if g.rank() == 1:
+            k.sleep(100.0)
+        work = torch_dist.all_reduce(torch.ones(1), group=g, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=5))
+        return "ok"
+
+    got = _spawn_all(k, groups, body)
+    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 5.0 and "timed out after 5 s" in got[0][1]
+    assert got[1][0] == "RuntimeError"  # arriving at 100 s on a closed group
+
+
+def test_async_all_reduce_is_issued_at_the_call_and_completes_without_wait() -> None:
+    k, groups = world(2)
+
+    def body(g):
+        t = torch.full((2,), float(g.rank() + 1))
+        work = torch_dist.all_reduce(t, group=g, async_op=True)
+        torch_dist.barrier(group=g)  # the next collective before waiting: fine, the first was issued already
+        k.sleep(1.0)
+        completed, value = work.is_completed(), t.tolist()
+        work.wait()
+        return completed, value, work.is_success()
+
+    assert _spawn_all(k, groups, body) == [("ok", (True, [3.0, 3.0], True))] * 2
+
+
+def test_reduce_ops_follow_gloo_on_dtypes() -> None:
+    k, groups = world(2)
+
+    def body(g):
+        out = {}
+        for op in ("BAND", "BOR", "BXOR"):
+            t = torch.tensor([1, 2, 3]) * (g.rank() + 1)
+            torch_dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=g)
+            out[op] = t.tolist()
+        with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+            torch_dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG, group=g)
+        with pytest.raises(RuntimeError, match="Cannot use ReduceOp.BAND with non-integral dtype"):
+            torch_dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, group=g)
+        with pytest.raises(TypeError):
+            torch_dist.all_reduce(torch.ones(2), op="max", group=g)
+        avg = torch.tensor([1.0, 4.0]) * (g.rank() + 1)
+        torch_dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=g)  # refused calls issued nothing
+        out["AVG"] = avg.tolist()
+        return out
+
+    expected = {"BAND": [0, 0, 2], "BOR": [3, 6, 7], "BXOR": [3, 6, 5], "AVG": [1.5, 6.0]}
+    assert _spawn_all(k, groups, body) == [("ok", expected)] * 2
+
+
+def test_all_gather_object_fills_the_callers_list_as_torch_does() -> None:
+    k, groups = world(2)
+
+    def body(g):
+        if g.rank() == 0:
+            longer = ["a", "b", "kept"]
+            torch_dist.all_gather_object(longer, g.rank(), group=g)
+            return longer
+        torch_dist.all_gather_object([None], g.rank(), group=g)  # one slot short: torch raises after the gather
+
+    got = _spawn_all(k, groups, body)
+    assert got[0] == ("ok", [0, 1, "kept"])
+    assert got[1][0] == "IndexError"
+
+
+def test_an_object_that_does_not_pickle_is_refused_before_the_collective_is_issued() -> None:
+    k, groups = world(2)
+
+    def body(g):
+        if g.rank() == 0:
+            with pytest.raises((AttributeError, pickle.PicklingError)):
+                torch_dist.all_gather_object([None, None], lambda: 0, group=g)
+        out = [None, None]
+        torch_dist.all_gather_object(out, g.rank(), group=g)  # the retry meets the other rank's first call
+        return out
+
+    assert _spawn_all(k, groups, body) == [("ok", [0, 1])] * 2
