@@ -169,6 +169,29 @@ def deregister_all_or_nothing(b: Backend):
             observe(lambda: a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory)))]
 
 
+@case("SIGSEGV", isolate=True, hardened="nixlInvalidParamError")
+def deregister_same_range_twice_in_one_list(b: Backend):
+    """Observed on 1.5.1 (DRAM): one deregister_memory list naming a range twice kills the process, whether the range
+    was registered once or twice (two tensors on one storage give such a list); the fake raises instead in every
+    profile but dram."""
+    a, t = b.agent("A"), b.buf(N)
+    b.reg(a, t)
+    return observe(lambda: a.deregister_memory(a.get_reg_descs(b.rd(t) * 2, b.memory)))
+
+
+@case(["nixlBackendError", "nixlNotFoundError", "IndexError", "nixlNotFoundError"])
+def empty_descriptor_lists(b: Backend):
+    """Observed on 1.5.1: an empty registration list is a backend error, an empty prepared list and a request with
+    no descriptors on either side are NOT_FOUND, and an empty (0x3) numpy array fails where it is first indexed."""
+    a, t, bb, u = _pair(b)
+    mem = getattr(b.bindings, f"{b.memory}_SEG")
+    empty = b.bindings.nixlXferDList(mem)
+    return [observe(lambda: a.register_memory(b.bindings.nixlRegDList(mem))),
+            observe(lambda: bb.prep_xfer_dlist("A", empty)),
+            observe(lambda: bb.get_xfer_descs(np.zeros((0, 3), dtype=np.uint64), b.memory)),
+            observe(lambda: bb.initialize_xfer("READ", empty, empty, "A"))]
+
+
 # -- metadata ----------------------------------------------------------------------------------------------
 @case([True, True, True, True])
 def metadata_is_stable_and_grows(b: Backend):
@@ -422,6 +445,23 @@ def prepped_bad_indices(b: Backend):
             observe(lambda: mk("READ", remote, [0], local, [0]))]
 
 
+@case(["RuntimeError"] * 4 + ["ValueError", "DONE"])
+def prepped_index_types(b: Backend):
+    """Observed on 1.5.1: indices are cast to C++ ints: a tensor, floats, None or a value past 2**31 do not cast
+    (RuntimeError), a 2-D numpy array is refused, a float numpy array is cast."""
+    import torch
+
+    a, t, bb, u = _pair(b)
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.descs(bb, u))
+    remote = bb.prep_xfer_dlist("A", b.descs(bb, t))
+    out = [observe(lambda: bb.make_prepped_xfer("READ", local, idx, remote, [0]))
+           for idx in (torch.tensor([0]), [0.0], None, [2**40], np.zeros((1, 1), dtype=np.int64))]
+    h = bb.make_prepped_xfer("READ", local, np.array([0.0]), remote, np.array([0.0]))
+    bb.transfer(h)
+    out.append(_finish(b, bb, h))
+    return out
+
+
 @case(["DONE", "nixlInvalidParamError"])
 def released_dlists(b: Backend):
     """Row 21-22: a request made before its dlists were released still posts; making one afterwards fails."""
@@ -616,6 +656,54 @@ def target_destroyed_in_flight(b: Backend):
     b.collect()
     return [first, observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE")),
             observe(lambda: bb.check_xfer_state(h))]
+
+
+@case(["nixlBackendError", False, "nixlNotFoundError", "nixlBackendError"])
+def peer_gone_before_load(b: Backend):
+    """Observed on 1.5.1: metadata of an agent that is already gone cannot be loaded (UCX connects while loading:
+    connection refused), the peer stays unknown, and a retry fails the same way."""
+    a, t = b.agent("A"), b.buf(N, PATTERN)
+    b.reg(a, t)
+    md = a.get_agent_metadata()
+    del a
+    b.collect()
+    bb, u = b.agent("B"), b.buf(N)
+    b.reg(bb, u)
+    return [observe(lambda: bb.add_remote_agent(md)), bb.check_remote_metadata("A"),
+            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")),
+            observe(lambda: bb.add_remote_agent(md))]
+
+
+@case([True, False, {"A": ["to me"]}, None, True])
+def own_name(b: Backend):
+    """Observed on 1.5.1: an agent knows its own name (with no descriptors to check), takes a notification to
+    itself, and removing itself is a silent success."""
+    a, t = b.agent("A"), b.buf(N)
+    b.reg(a, t)
+    out = [a.check_remote_metadata("A"), a.check_remote_metadata("A", b.descs(a, t))]
+    a.send_notif("A", b"to me")
+    got = b.wait(a.get_new_notifs)
+    out.append({k: [m.decode() for m in v] for k, v in got.items()})
+    out += [observe(lambda: a.remove_remote_agent("A")), a.check_remote_metadata("A")]
+    return out
+
+
+@case(["nixlNotFoundError", "A", "nixlNotFoundError", "DONE"])
+def remove_peer_under_a_prepared_list(b: Backend):
+    """Observed on 1.5.1: a remote list prepared before its peer was removed makes no request (NOT_FOUND at
+    make_prepped_xfer), nor after the peer is added again; a list prepared afterwards works."""
+    a, t, bb, u = _pair(b)
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.descs(bb, u))
+    remote = bb.prep_xfer_dlist("A", b.descs(bb, t))
+    bb.remove_remote_agent("A")
+    out = [observe(lambda: bb.make_prepped_xfer("READ", local, [0], remote, [0]))]
+    out.append(bb.add_remote_agent(a.get_agent_metadata()).decode())
+    out.append(observe(lambda: bb.make_prepped_xfer("READ", local, [0], remote, [0])))
+    fresh = bb.prep_xfer_dlist("A", b.descs(bb, t))
+    h = bb.make_prepped_xfer("READ", local, [0], fresh, [0])
+    bb.transfer(h)
+    out.append(_finish(b, bb, h))
+    return out
 
 
 # -- two processes -------------------------------------------------------------------------------------------

@@ -278,8 +278,10 @@ class nixl_agent:
     def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
         if backend is None:
             self.agent.genNotif(remote_agent_name, notif_msg)
-        else:
-            self.agent.genNotif(remote_agent_name, notif_msg, self.backends[backend])
+        else:  # 1.5.1 hands the binding a backend handle where it takes a list: every call with a backend fails
+            self.backends[backend]  # an unknown name is a KeyError first
+            raise TypeError("genNotif(): incompatible function arguments. The following argument types are "
+                            "supported:\n    1. (self: nixlAgent, remote_agent: str, msg: str, backend: int = 0) -> None")
 
     # -- metadata -------------------------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
@@ -349,6 +351,7 @@ class nixl_agent:
             if descs.ndim != 2 or descs.shape[1] != 3:
                 logger.error("Nx3 shape required for transfer descriptor list from numpy array")
                 return None
+            descs[0]  # an empty (0x3) array fails here with numpy's IndexError, as in the real module
             return cls(self.nixl_mems[mem_type], descs)
         first = descs[0]  # an empty list or None fails here, as it does in the real module
         if isinstance(first, tuple):

@@ -176,7 +176,11 @@ class MemoryMixin:
             S.fail(STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
                    "registerMem: registration failed for the specified or all potential backends "
                    "(injected fault register.fail)")
-        new = [region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in descs._triples()]
+        triples = list(descs._triples())
+        if not triples:  # 1.5.1 hands UCX nothing to register and reports its failure
+            S.fail(S.BACKEND, "registerMem: registration failed for the specified or all potential backends "
+                              "(empty descriptor list)")
+        new = [region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in triples]
         if profile.exclusive_pages:
             self._refuse_shared_pages(new)
         self.regions.extend(new)  # all or nothing: nothing above added anything
@@ -201,9 +205,17 @@ class MemoryMixin:
         self._enter()
         _check_dlist(descs, nixlRegDList, "deregisterMem")
         mem = int(descs.getType())
+        triples = list(descs._triples())
+        if len(set(triples)) != len(triples):
+            # One list naming a range twice: 1.5.1 segfaults (on DRAM, whether the range was registered once or
+            # twice, and for two tensors on the same storage); the hardened profiles refuse it instead.
+            if self.fabric.profile.released_handle_use == "crash":
+                raise S.SimulatedCrash("SIGSEGV", "deregisterMem: the same range twice in one list (real NIXL 1.5.1 "
+                                                  "segfaults)")
+            S.fail(S.INVALID_PARAM, "deregisterMem: the same range twice in one descriptor list")
         remaining = list(self.regions)
         matched: list[Region] = []
-        for addr, length, dev in descs._triples():
+        for addr, length, dev in triples:
             for i, r in enumerate(remaining):
                 if (r.mem, r.addr, r.length, r.dev) == (mem, addr, length, dev):
                     matched.append(remaining.pop(i))

@@ -4,6 +4,9 @@ Facts reproduced (rows 1, 10, 12-14, 26, 30, 31): a name comes back as bytes; th
 no-op success whose sections are merged (never removed); a new connection under a known name is NOT_ALLOWED until
 the peer is removed; a destroyed or killed peer stays "known" (``check_remote_metadata`` is True) and every post or
 notification towards it raises ``nixlRemoteDisconnectError``; removing a peer invalidates handles made towards it.
+Observed on 1.5.1 since (the catalogue's ``peer_gone_before_load`` and ``own_name``): loading the metadata of an
+agent that is already gone is ``nixlBackendError`` (UCX connects while loading) and leaves no peer; an agent knows
+its own name (checked with no descriptors, and as a notification target).
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ class PeersMixin:
         if peer is None:
             if conn is None:
                 S.fail(S.NOT_FOUND, f"loadRemoteMD: no connection info for unknown remote agent '{name}'")
+            if self.fabric.live_agent(conn) is None:
+                # UCX connects to the peer's worker while loading: an agent that is gone (destroyed, its process
+                # exited or killed) refuses, and the peer is not added (a retry fails the same way).
+                S.fail(S.BACKEND, f"loadRemoteMD: cannot connect to remote agent '{name}' (connection refused): "
+                                  "the agent is gone")
             peer = Peer(name, conn, generation=self.fabric.new_id())
             adding = True
         else:
@@ -72,11 +80,15 @@ class PeersMixin:
 
     def checkRemoteMD(self, name: str, descs: Any) -> S.nixl_status_t:
         self._enter()
+        triples = self._xfer_triples(descs, "checkRemoteMD")
+        if name == self.name:
+            # 1.5.1 knows its own name, with no remote sections under it: True for no descriptors, else False.
+            return S.nixl_status_t.NIXL_ERR_NOT_FOUND if triples else S.nixl_status_t.NIXL_SUCCESS
         peer = self.peers.get(name)
         if peer is None:
             return S.nixl_status_t.NIXL_ERR_NOT_FOUND
         mem = int(descs.getType())
-        for addr, length, dev in self._xfer_triples(descs, "checkRemoteMD"):
+        for addr, length, dev in triples:
             if peer.covers(mem, addr, length, dev) is None:
                 return S.nixl_status_t.NIXL_ERR_NOT_FOUND
         return S.nixl_status_t.NIXL_SUCCESS
@@ -98,6 +110,9 @@ class PeersMixin:
     # -- notifications ----------------------------------------------------------------------------------------
     def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> None:
         self._enter()
+        if name == self.name:  # to itself, over the loopback endpoint
+            self._send_notif(self, name, msg)
+            return
         peer = self.peers.get(name)
         if peer is None:
             S.fail(S.NOT_FOUND, "genNotif: no specified or potential backend could send the inter-agent "

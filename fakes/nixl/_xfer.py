@@ -79,12 +79,33 @@ def _handle_value(fabric) -> int:
     return 0x7F00_0000_0000 + next(fabric._ids) * 0x40
 
 
+_INT_MIN, _INT_MAX = -2**31, 2**31 - 1  # pybind casts the indices to C++ ints
+
+
+def _cast_error(values: Any) -> None:
+    raise RuntimeError(f"Unable to cast Python instance of type {type(values)} to C++ type '?' (#define "
+                       "PYBIND11_DETAILED_ERROR_MESSAGES or compile in debug mode for details)")
+
+
 def _indices(values: Any) -> list[int]:
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            S.fail(S.INVALID_PARAM, "makeXferReq: indices must be a 1-D integer array")
-        return list(map(int, values.tolist()))
-    return list(map(int, values))
+    """The indices as 1.5.1 takes them: a 1-D numpy array of any number type (cast), or a sequence of integers; a
+    tensor, floats or None do not cast (RuntimeError), nor does a value outside a C++ int."""
+    if type(values) is list and all(type(v) is int for v in values):  # every EPLB READ: read, never changed
+        out = values
+    elif isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError("indices numpy array must be 1D")
+        out = [int(v) for v in values.tolist()]
+    else:
+        if values is None or type(values).__module__.startswith("torch"):
+            _cast_error(values)
+        items = list(values)
+        if any(isinstance(v, float) or not hasattr(v, "__index__") for v in items):
+            _cast_error(values)
+        out = [int(v) for v in items]
+    if out and (max(out) > _INT_MAX or min(out) < _INT_MIN):
+        _cast_error(values)
+    return out
 
 
 class XferMixin:
@@ -133,6 +154,8 @@ class XferMixin:
         else:
             triples = self._xfer_triples(descs, "prepXferDlist")
             mem = int(descs.getType())
+        if not triples:
+            S.fail(S.NOT_FOUND, "prepXferDlist: empty descriptor list: no backend can prepare it")
         side, peer, regions = self._regions_of(agent_name, mem, triples, "prepXferDlist")
         for region in regions:
             if region is None:
@@ -155,7 +178,12 @@ class XferMixin:
             S.fail(S.INVALID_PARAM, "makeXferReq: invalid descriptor list handle")
         if local.side != "local" or remote.side == "local":
             S.fail(S.INVALID_PARAM, "makeXferReq: local and remote descriptor list handles are swapped")
-        li, ri = _indices(local_idx), _indices(remote_idx)
+        li, ri = _indices(local_idx), _indices(remote_idx)  # pybind casts them before 1.5.1 looks at anything
+        if remote.side == "remote":
+            known = self.peers.get(remote.peer)
+            if known is None or known.generation != remote.generation:  # removed (and maybe added again) since
+                S.fail(S.NOT_FOUND, f"makeXferReq: remote agent '{remote.peer}' was removed after its descriptor "
+                                    "list was prepared")
         if not li or len(li) != len(ri):
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
         lt, rt = local.triples, remote.triples
@@ -178,6 +206,8 @@ class XferMixin:
         self._enter()
         lt = self._xfer_triples(local_descs, "createXferReq")
         rt = self._xfer_triples(remote_descs, "createXferReq")
+        if not lt and not rt:
+            self._no_registration("createXferReq")  # nothing for any backend to move
         if len(lt) != len(rt):
             S.fail(S.INVALID_PARAM, f"createXferReq: different descriptor list sizes (local={len(lt)}, "
                                     f"remote={len(rt)})")
