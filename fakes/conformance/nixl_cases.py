@@ -322,6 +322,18 @@ def write_initialize_xfer(b: Backend):
     return [first in ("PROC", "DONE"), _finish(b, bb, h), b.same(t, u)]
 
 
+@case(["PROC", "DONE", "DONE"])
+def first_write_waits_for_the_endpoint(b: Backend):
+    """Observed on 1.5.1 (cma): the first WRITE towards a peer returns PROC from transfer(), as a first READ does,
+    while the endpoint connects; a second request on the connected endpoint is DONE at once."""
+    a, t, bb, u = _pair(b)
+    h = bb.initialize_xfer("WRITE", b.descs(bb, u), b.descs(bb, t), "A")
+    first = bb.transfer(h)
+    done = _finish(b, bb, h)
+    h2 = bb.initialize_xfer("WRITE", b.descs(bb, u), b.descs(bb, t), "A")
+    return [first, done, bb.transfer(h2)]
+
+
 @case(["DONE", True, "DONE", True])
 def read_prepped(b: Backend):
     """Row 21: prep_xfer_dlist + make_prepped_xfer with int32 or int64 numpy indices."""

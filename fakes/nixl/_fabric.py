@@ -105,9 +105,11 @@ class FakeFabric:
             return seconds if wired else seconds + self.time_model.connect_s
         if self.transport == "tcp":
             return 3.0
-        # cma on one host: a WRITE, and a READ on a connected endpoint, are done when transfer() returns; the
-        # first READ towards a peer waits for the endpoint's wire-up, i.e. the next progress step.
-        return 0.0 if op == "WRITE" or wired else 1.0
+        # cma on one host: a transfer on a connected endpoint is done when transfer() returns; the first one
+        # towards a peer, READ or WRITE, waits for the endpoint's wire-up, i.e. the next progress step (1.5.1 gave
+        # PROC for a first WRITE in every fresh process tried, 4 KiB and 1 MiB, where the reference's row 17 says
+        # DONE: it measured WRITEs on endpoints a READ had connected).
+        return 0.0 if wired else 1.0
 
     def notif_delay(self) -> float:
         return self.time_model.notif_latency_s if self.simulated else 0.0
