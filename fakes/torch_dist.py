@@ -138,6 +138,12 @@ class Rendezvous:
             raise RuntimeError(f"{kind} on destroyed group {self.name}")
         if self.broken is not None:
             raise RuntimeError(f"{kind} on group {self.name}: connection closed by peer ({self.broken})")
+        caller = self.kernel.current()
+        if caller is not None and caller.pid != self.pids[rank]:
+            # Processes share no objects: a group handle used by another process is a bug in the caller, which
+            # would otherwise take that member's place in the collective.
+            raise RuntimeError(f"{kind} on group {self.name}: pid {caller.pid} used the handle of rank {rank} "
+                               f"(pid {self.pids[rank]})")
         mine = _copy(contribution)  # serialized before anything is sent: an object that cannot be is refused here
         seq = self._next_seq[rank]
         self._next_seq[rank] += 1

@@ -55,7 +55,7 @@ def test_results_are_copies_not_shared_objects() -> None:
         got.append(payload)
 
     for g in groups:
-        k.spawn(f"r{g.rank()}", rank_main, g)
+        k.spawn(f"r{g.rank()}", rank_main, g, pid=10 + g.rank())
     k.run()
     assert got == [{"list": [0]}, {"list": [1]}] or got == [{"list": [1]}, {"list": [0]}]
 
@@ -87,7 +87,7 @@ def test_every_rank_gets_its_own_containers_and_aliasing_survives() -> None:
         gathered[0]["box"].value.append("mine")
 
     for g in groups:
-        k.spawn(f"r{g.rank()}", rank_main, g)
+        k.spawn(f"r{g.rank()}", rank_main, g, pid=10 + g.rank())
     k.run()
     for r, gathered in got.items():
         assert gathered[1]["meta"] == {(0, 1): (100, 8, 0)} and gathered[1]["box"] == _Box([1])
@@ -147,8 +147,8 @@ def test_async_all_reduce_waits_in_simulated_time() -> None:
         work.wait()
         done.append((g.rank(), t.tolist(), k.now()))
 
-    k.spawn("a", rank_main, groups[0], 1.0)
-    k.spawn("b", rank_main, groups[1], 4.0)
+    k.spawn("a", rank_main, groups[0], 1.0, pid=10)
+    k.spawn("b", rank_main, groups[1], 4.0, pid=11)
     k.run()
     assert sorted(done) == [(0, [2.0, 2.0], 4.0), (1, [2.0, 2.0], 4.0)]
 
@@ -166,8 +166,8 @@ def test_mismatched_collectives_are_reported() -> None:
             torch_dist.all_gather_object([None, None], 1, group=g)
         seen.append("mismatch")
 
-    k.spawn("a", a, groups[0])
-    k.spawn("b", b, groups[1])
+    k.spawn("a", a, groups[0], pid=10)
+    k.spawn("b", b, groups[1], pid=11)
     k.run()
     assert seen == ["mismatch"]
 
@@ -334,3 +334,19 @@ def test_an_object_that_does_not_pickle_is_refused_before_the_collective_is_issu
         return out
 
     assert _spawn_all(k, groups, body) == [("ok", [0, 1])] * 2
+
+
+def test_a_process_using_another_members_handle_is_refused() -> None:
+    # Processes share no objects; taking rank 0's place would make the real rank 0 time out, naming nobody.
+    k, groups = world(2)
+    got = {}
+
+    def intruder():
+        try:
+            torch_dist.barrier(group=groups[0])
+        except RuntimeError as exc:
+            got["error"] = str(exc)
+
+    k.spawn("intruder", intruder, pid=7)
+    k.run()
+    assert got == {"error": "barrier on group eplb#0: pid 7 used the handle of rank 0 (pid 10)"}
