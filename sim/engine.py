@@ -76,7 +76,9 @@ class Engine:
                     return
                 continue
             if self.step >= next_rebalance:
-                if not self.rebalance():
+                # Async EPLB moves the layers while serving goes on (vLLM's EplbState.step, one layer per forward
+                # step); a commit, the next rebalance or the last one drains what is still in flight.
+                if not self.rebalance(drain=False):
                     return
                 next_rebalance += sc.eplb.step_interval
                 continue
@@ -145,8 +147,11 @@ class Engine:
             total += self.workers[p].load.total()
         return total
 
-    def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None) -> bool:
-        """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping)."""
+    def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None,
+                  drain: bool = True) -> bool:
+        """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping).
+        ``drain``: with async EPLB, wait for every rank's layers before going on, as an elastic reshuffle and the
+        last rebalance do; a periodic one returns at once and the layers move while the group serves."""
         old = self.placement
         size = new_size or len(self.members)
         self.before_rebalance()
@@ -156,7 +161,7 @@ class Engine:
         self.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest())
         start = self.now()
         ok = self._all("rearrange", old=old, new=new, mapping=mapping)
-        if ok and self.scenario.eplb.use_async:
+        if ok and drain and self.scenario.eplb.use_async:
             ok = self._all("drain")
         self.placement = new
         if ok:

@@ -31,10 +31,13 @@ from . import _nvshmem
 from ._team import DeepEPTimeout, Team
 
 NUM_MAX_NVL_PEERS = 8
+NUM_MAX_RDMA_PEERS = 20
+NUM_BUFFER_ALIGNMENT_BYTES = 128
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
-_static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernel -> {pid: LL buffer, >8 ranks}
+# kernel -> {pid: the team of the low-latency buffer (above 8 ranks) that holds the process's sub-RDMA team}
+_static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _console_quiet = 0  # > 0 while a simulation holds the console (see quiet_console)
@@ -128,6 +131,22 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
         self.enable_shrink = enable_shrink
+        # The C++ constructor's own checks, before anything is exchanged (EP_HOST_ASSERT: a RuntimeError).
+        n = self.group_size
+        for ok, cond in ((self.num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0,
+                          "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+                         (self.num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0,
+                          "num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+                         (n <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or self.low_latency_mode,
+                          "num_ranks <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or low_latency_mode"),
+                         (n < NUM_MAX_NVL_PEERS or n % NUM_MAX_NVL_PEERS == 0,
+                          "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0"),
+                         (self.num_rdma_bytes == 0 or n > NUM_MAX_NVL_PEERS or self.low_latency_mode,
+                          "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode")):
+            if not ok:
+                self.state = POISONED  # never AVAILABLE: its destructor has nothing to tear down
+                raise RuntimeError(f"Failed: Assertion error csrc/deep_ep.cpp: '{cond}' (group of {n} ranks, "
+                                   f"num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes})")
         self._ll_parity = 0
         self._ll_uses = 0
         self._needs_clean = False
@@ -171,12 +190,15 @@ class Buffer:
         effective = world.init(self.group_size, uid, worlds.profile)
         self._nvshmem, self._nvshmem_size = world, effective
         if self.low_latency_mode and self.group_size > NUM_MAX_NVL_PEERS:
+            # The process-wide sub-RDMA team is reset only by finalize (destroy): a buffer that leaked (dropped
+            # with explicitly_destroy=True) or trapped still holds it, alive or not.
             owners = _static_team_owner.setdefault(self._kernel, {})
-            owner = owners.get(self._pid)
-            if owner is not None and owner() is not None and owner().state == AVAILABLE:
-                raise RuntimeError("Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
-                                   "buffer above 8 ranks while another one is alive)")
-            owners[self._pid] = weakref.ref(self)
+            holder = owners.get(self._pid)
+            if holder is not None:
+                raise RuntimeError(f"Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
+                                   f"buffer above 8 ranks while {holder} still holds the team: never destroyed)")
+            owners[self._pid] = self._team.name
+            self._holds_static_team = True
         if effective != self.group_size:
             # The old world is in effect (still alive, or reused after finalize): nvshmem_align is collective over it,
             # and the new group's ranks never meet.
@@ -455,6 +477,9 @@ class Buffer:
         if self._nvshmem is not None:
             self._nvshmem.finalize(_nvshmem.worlds(self._kernel).profile)
             self._nvshmem = None
+            if getattr(self, "_holds_static_team", False):
+                _static_team_owner.get(self._kernel, {}).pop(self._pid, None)
+                self._holds_static_team = False
         self.runtime = None
         self.state = DESTROYED
         self._kernel.history.record("deep_ep.destroy", pid=self._pid, team=self._team.name)

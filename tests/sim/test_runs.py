@@ -316,3 +316,29 @@ def test_a_caller_that_froze_objects_itself_keeps_them_frozen() -> None:
         assert gc.get_freeze_count() > 0.9 * frozen
     finally:
         gc.unfreeze()
+
+
+def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_commit() -> None:
+    """vLLM's EplbState.step moves one layer per forward step while serving goes on; a reshuffle at a
+    reconfiguration, and the last rebalance, wait for every rank's layers."""
+    from sim.cluster import Cluster
+
+    sc = with_overrides(load("scale-up"), **{"eplb.use_async": True})
+    cluster = Cluster(sc, seed=0, strategy=sc.strategy, profile=sc.profile)
+    cluster.run()
+    assert cluster.oracles.verdict()[0] == "pass"
+    records = [(kind, f) for _, kind, f in cluster.kernel.history.records]
+    overlapped = drained = 0
+    for i, (kind, f) in enumerate(records):
+        if kind != "engine.rebalance":
+            continue
+        after = [k for k, _ in records[i + 1:]]
+        first_serve = after.index("engine.serve") if "engine.serve" in after else len(after)
+        first_done = after.index("eplb.rearranged")
+        if first_serve < first_done:
+            overlapped += 1
+        else:
+            drained += 1
+    # Periodic rebalances at steps 125 and 625 (EP2) and 1125, 1625, 2125, 2625 (EP4) overlap serving; the
+    # reshuffle after the scale-up's commit and the last one at step 3000 drain first.
+    assert (overlapped, drained) == (6, 2)

@@ -4,6 +4,7 @@ and NVSHMEM as a reference-counted world."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -336,3 +337,41 @@ def test_at_most_two_low_latency_results_in_flight() -> None:
         return "ok"
 
     assert SimulatedRanks(2).run(body) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("size, kwargs, cond", [
+    (2, {"num_nvl_bytes": 1000}, "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+    (2, {"num_rdma_bytes": 1 << 20}, "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode"),
+    (12, {"num_nvl_bytes": 1 << 20}, "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0"),
+])
+def test_the_constructor_checks_what_deep_ep_asserts_before_any_exchange(size, kwargs, cond) -> None:
+    def body(g):
+        with pytest.raises(RuntimeError, match=re.escape(cond)):
+            deep_ep.Buffer(g, **kwargs)
+        return "refused"
+
+    assert SimulatedRanks(size).run(body) == ["refused"] * size
+
+
+def test_a_leaked_low_latency_buffer_above_8_ranks_keeps_the_static_team_from_the_next_one() -> None:
+    # finalize (destroy) is the only thing that resets the process's sub-RDMA team; vLLM replacing its class-level
+    # LL buffer without destroy() leaves the team held, and the next LL buffer above 8 ranks fails at once.
+    ranks = SimulatedRanks(16, nvshmem="elastic")
+    second = ranks.new_group("again", list(range(16)))
+
+    def body(g, destroy_first):
+        kw = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
+        first = deep_ep.Buffer(g, **kw)
+        if destroy_first:
+            first.destroy()
+        del first  # leaked (a warning) when not destroyed
+        try:
+            deep_ep.Buffer(second[g.rank()], **kw)
+        except RuntimeError as exc:
+            return "cpu_rdma_team == NVSHMEM_TEAM_INVALID" in str(exc) and "never destroyed" in str(exc)
+        return "ok"
+
+    assert ranks.run(lambda g: body(g, True)) == ["ok"] * 16
+    ranks = SimulatedRanks(16, nvshmem="elastic")
+    second = ranks.new_group("again", list(range(16)))
+    assert ranks.run(lambda g: body(g, False)) == [True] * 16
