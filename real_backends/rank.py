@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import math
 import os
 import signal
 import sys
@@ -197,13 +198,20 @@ class RealWorker:
         from sim.eplb.state import check_weights
 
         comm, rank = self.comm, self.group.rank()
+        step, start = self.sc.serving.step_time_s * 0.01, time.perf_counter()  # forward steps, scaled as serving's
         for layer in range(old.num_layers):
-            if paced:
-                time.sleep(self.sc.serving.step_time_s * 0.01)  # one layer per (scaled) forward step
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
-            move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
-                            stream)
+            if not paced:
+                move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
+                                stream)
+                continue
+            # As the simulation's worker: transfer here, then the layer is copied out of expert_buffer on the
+            # (lagging) stream at the next step boundary, and the next layer's transfers start at once.
+            move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
+            done_steps = math.floor((time.perf_counter() - start) / step) + 1
+            time.sleep(max(0.0, start + done_steps * step - time.perf_counter()))
+            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.
         self.history("eplb.moved", seconds=time.perf_counter() - self._rearrange_started)
         new_rank = move.rank_space(old, new, mapping).to_new[rank]

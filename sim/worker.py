@@ -8,6 +8,7 @@ the async EPLB daemon).  The communicator is the code under test; everything els
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class Worker:
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
+        self.cleanup_thread = None  # the retired group's all2all cleanup (elastic-cleanup@pid), while it runs
         self.main_thread = None
         self.alive = True
         # The MoE all2all (all2all.backend != none): the group's manager, the standby one PREPARE builds, the MoE
@@ -161,12 +163,24 @@ class Worker:
         lag = self.cluster.faults.take({"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid,
                                        "expert copies")
         self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
+        step, start = self.cluster.scenario.serving.step_time_s, self.kernel.now()
         for layer in range(old.num_layers):
-            if paced:
-                self.kernel.sleep(self.cluster.scenario.serving.step_time_s, "async EPLB: one layer per step")
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
-            move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, self.stream)
+            if not paced:
+                move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
+                                self.stream)
+                continue
+            # vLLM's async EPLB: this thread stages the local copies on a stream of its own and synchronizes it
+            # (here: the copies run at once), posts the READs and executes; the main thread takes the layer at
+            # its next step boundary once every rank has it (the group's barrier ends execute at one instant),
+            # issues move_from_buffer on the compute stream and records the consumed event, and this thread
+            # starts the next layer's transfers at once, in no order with that stream.
+            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows)
+            done_steps = math.floor((self.kernel.now() - start) / step + 1e-9) + 1
+            self.kernel.sleep(start + done_steps * step - self.kernel.now(), "async EPLB: the main thread takes "
+                                                                               "the layer at its next step")
+            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
         space = move.rank_space(old, new, mapping)
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None
@@ -189,6 +203,11 @@ class Worker:
         return done
 
     def _prepare(self, group, prepare_s: float, done) -> None:
+        # vLLM's prepare begins by waiting for the previous reconfiguration's group cleanup (_wait_for_group_cleanup):
+        # a retired group's buffers are gone before standby groups are built.
+        th, self.cleanup_thread = self.cleanup_thread, None
+        if th is not None and th.alive:
+            self.kernel.wait(th.done, "waiting for the previous group cleanup")
         self.kernel.sleep(prepare_s, "building standby groups")
         if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid,
                                     "expert_buffer") is not None:
@@ -233,8 +252,8 @@ class Worker:
         late = self.cluster.faults.take({"all2all.cleanup_late": WORKER_SITES["all2all.cleanup_late"]}, self.pid,
                                         "all2all cleanup")
         delay = float(late.params.get("delay_s", 1.0)) if late is not None else 0.0
-        self.kernel.spawn(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay, pid=self.pid,
-                          daemon=True)
+        self.cleanup_thread = self.kernel.spawn(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay,
+                                                pid=self.pid, daemon=True)
 
     def _cleanup_all2all(self, manager, delay: float) -> None:
         if delay > 0:

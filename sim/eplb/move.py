@@ -330,6 +330,15 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
     ``stream`` (``submit(op, what)``: a :class:`sim.device.DeviceStream`, or the real backend's lagging CUDA stream)
     runs the two row copies, as vLLM's non_blocking copies run on the current CUDA stream; without one they run at
     once."""
+    transfer_layer(comm, layer, old_indices, weights_layer, buffer, plan, rows, stream)
+    issue_move_from_buffer(weights_layer, buffer, plan, rows, stream, layer)
+
+
+def transfer_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows,
+                   stream=None) -> None:
+    """The first part of :func:`move_layer` (vLLM's ``transfer_layer``): the transfer context, local copies staged
+    in ``expert_buffer`` on ``stream``, every send and recv, ``execute()``.  Async EPLB does this on its own thread
+    and leaves ``move_from_buffer`` to the main thread."""
     comm.set_transfer_context(old_indices, layer)
     arrays = getattr(rows, "arrays", None)
     issue = stream.submit if stream is not None else _at_once
@@ -339,6 +348,12 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
     for dst_row, src_rank, logical in plan.recvs:
         comm.add_recv(rows(buffer, dst_row), src_rank, logical)
     comm.execute()
+
+
+def issue_move_from_buffer(weights_layer, buffer, plan: LayerPlan, rows, stream, layer: int) -> None:
+    """:func:`move_from_buffer` as a copy issued on ``stream`` (at once without one)."""
+    arrays = getattr(rows, "arrays", None)
+    issue = stream.submit if stream is not None else _at_once
     issue(lambda: move_from_buffer(weights_layer, buffer, plan, arrays), f"move_from_buffer layer {layer}")
 
 

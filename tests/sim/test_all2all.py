@@ -112,3 +112,16 @@ def test_a_buffer_dropped_without_destroy_is_a_leak_at_the_moment_deep_ep_warns(
     assert r.detail == ("pid 1: DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy() (explicitly_destroy=True): "
                         "DeepEP only warns, and its buffers stay allocated")
     assert 50 < r.sim_time_s and capsys.readouterr().out == ""  # DeepEP's printf stays out of the run's output
+
+
+def test_prepare_waits_for_the_previous_reconfigurations_cleanup(tmp_path):
+    # vLLM's prepare begins with _wait_for_group_cleanup: rank 0's cleanup after the first switch is 60 s late, so its
+    # PREPARE for the scale-down (at 80 s) builds only once that cleanup is done; rank 1 builds at once.
+    sc = scenario_mod.with_overrides(scenario_mod.load("elastic-cycle"),
+                                     **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
+    run_scenario(sc, strategy="per-communicator-agent", faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"],
+                 out=tmp_path)
+    events = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    cleanup0 = next(e["t"] for e in events if e["kind"] == "all2all.cleanup" and e["pid"] == 0)
+    built = {e["pid"]: e["t"] for e in events if e["kind"] == "comm.create" and e["gen"] == "eplb#2"}
+    assert cleanup0 > 100 and built[0] >= cleanup0 + 1.0 > built[1] + 20

@@ -42,6 +42,20 @@ def test_a_lag_shorter_than_a_read_is_harmless() -> None:
     assert run("shared-agent", ["device.stream_lag:delay_s=0.0001"]).verdict == "pass"
 
 
+@pytest.mark.parametrize("strategy, lag, verdict", [("shared-agent", 0.0001, "pass"),
+                                                     ("shared-agent", 0.01, "safety"), (SYNCED, 0.01, "pass")])
+def test_async_eplb_races_the_same_way(strategy: str, lag: float, verdict: str) -> None:
+    # vLLM's main thread copies a layer out of expert_buffer at a step boundary, on the compute stream, and the
+    # async thread posts the next layer's READs right after: the slack is a READ, not a forward step.
+    from sim.scenario import with_overrides
+
+    sc = with_overrides(load("scale-up"), **{"eplb.use_async": True})
+    r = run_scenario(sc, seed=0, strategy=strategy, faults=[f"device.stream_lag:delay_s={lag}"])
+    assert r.verdict == verdict, r.detail
+    if verdict == "safety":
+        assert r.invariant == "expert_weights" and "of layer" in r.detail
+
+
 def test_a_stream_that_keeps_up_changes_no_history() -> None:
     plain = run("shared-agent")
     never = run("shared-agent", ["device.stream_lag:rank=99"])  # armed, never fires
