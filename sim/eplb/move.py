@@ -141,31 +141,34 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
     wanted = []  # (logical, dst_rank, dst_row)
     for dst, (_, _, first_recv, _) in enumerate(needs):
         wanted.extend((logical, dst, row) for logical, row in first_recv.items())
-    sends = [0] * len(old_rows)
     holding: dict[int, list[int]] = {}  # logical -> the ranks holding it before the move, ascending
     for r, rows in enumerate(old_rows):
         for logical in dict.fromkeys(rows):
             holding.setdefault(logical, []).append(r)
-    out: dict[tuple[int, int], int] = {}
+    receivers: dict[int, list[tuple[int, int]]] = {}  # logical -> its receivers (dst_rank, dst_row), ascending
     for logical, dst, row in sorted(wanted):
+        receivers.setdefault(logical, []).append((dst, row))
+    out: dict[tuple[int, int], int] = {}
+    for logical, recv in receivers.items():
         holders = holding.get(logical)
         if not holders:
-            raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {dst} but no rank holds "
-                            f"it before the move")
-        src = holders[0]  # the fewest sends so far, then the lowest rank (holders ascend)
-        for r in holders:
-            if sends[r] < sends[src]:
-                src = r
-        sends[src] += 1
-        out[(dst, row)] = src
+            raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {recv[0][0]} but no rank "
+                            f"holds it before the move")
+        # vLLM's pairing: each holder serves a contiguous run of len(recv) // len(holders) receivers, in rank order,
+        # and the receivers left over go one to each holder from the first.
+        per = len(recv) // len(holders)
+        paired = len(holders) * per
+        for pos, key in enumerate(recv):
+            out[key] = holders[pos // per] if pos < paired else holders[pos - paired]
     return dict(sorted(out.items()))
 
 
 def plan_sources(old: Placement, new: Placement, layer: int,
                  rank_mapping: RankMapping = None) -> dict[tuple[int, int], int]:
     """``{(dst_rank, dst_row): src_rank}`` for every expert received in ``layer``, one entry per (rank, expert) at
-    the lowest row that needs it.  Receivers are served by logical id, then rank; each takes, among the ranks holding
-    the expert in ``old``, the one with the fewest sends so far in this layer, then the lowest rank."""
+    the lowest row that needs it.  As vLLM pairs them: an expert's receivers (ranks that need it and do not hold it,
+    ascending) are split into contiguous runs, one per rank holding it in ``old`` (ascending), the remainder one per
+    holder from the first."""
     old_rows, new_rows = _rows(old, new, layer, rank_mapping)
     return _sources(old_rows, new_rows, layer)
 

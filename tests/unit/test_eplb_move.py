@@ -58,16 +58,16 @@ def test_literal_plan_two_ranks() -> None:
     assert plan_all(old, new, 1) == [plan_layer(old, new, 1, 0), plan_layer(old, new, 1, 1)]
 
 
-def test_fewest_sends_then_lowest_rank() -> None:
-    old = Placement([[0, 1, 0, 1, 2, 3, 2, 3]], ep_size=4)
-    new = Placement([[2, 3, 0, 1, 0, 1, 2, 3]], ep_size=4)
-    # served by logical id: 0 -> rank 2 from rank 0 (tie, lower rank); 1 -> rank 2 from rank 1 (rank 0 has sent);
-    # 2 -> rank 0 from rank 2; 3 -> rank 0 from rank 3.
-    assert plan_sources(old, new, 0) == {(0, 0): 2, (0, 1): 3, (2, 0): 0, (2, 1): 1}
+def test_receivers_are_paired_with_holders_as_vllm_does() -> None:
+    # One slot per rank.  Expert 0 is held by ranks 0 and 1 and wanted by ranks 2, 3 and 4: one receiver per holder
+    # in rank order, the one left over to the first holder.  Expert 1 is held by ranks 2, 3 and 4 and wanted by
+    # ranks 0 and 1: fewer receivers than holders, so the first holders serve them.
+    old = Placement([[0, 0, 1, 1, 1]], ep_size=5)
+    new = Placement([[1, 1, 0, 0, 0]], ep_size=5)
+    assert plan_sources(old, new, 0) == {(0, 0): 2, (1, 0): 3, (2, 0): 0, (3, 0): 1, (4, 0): 0}
     plans = plan_all(old, new, 0)
-    assert [p.recvs for p in plans] == [[(0, 2, 2), (1, 3, 3)], [], [(0, 0, 0), (1, 1, 1)], []]
-    assert [p.sends for p in plans] == [[(2, 0)], [(2, 1)], [(0, 2)], [(0, 3)]]
-    assert plans[3].unchanged == [0, 1] and plans[1].unchanged == [0, 1]
+    assert [p.sends for p in plans] == [[(2, 0), (4, 0)], [(3, 0)], [(0, 1)], [(1, 1)], []]
+    assert [p.recvs for p in plans] == [[(0, 2, 1)], [(0, 3, 1)], [(0, 0, 0)], [(0, 1, 0)], [(0, 0, 0)]]
 
 
 def test_one_recv_per_expert_then_recv_copies() -> None:
@@ -166,8 +166,9 @@ def test_scale_down_leaving_rank_sends_what_only_it_holds() -> None:
     plans = plan_all(old, new, 0, mapping)
     assert plans[1].new_rows == [0, 1, 2] and plans[1].recvs == [(2, 2, 2)]
     assert plans[2].new_rows == [0, 1, 3] and plans[2].unchanged == [2] and plans[2].local_copies == []
-    assert plans[2].recvs == [(0, 0, 0), (1, 1, 1)]  # 0 from rank 0 (the leaving one), then 1 from rank 1
-    assert plans[0].sends == [(2, 0)] and plans[0].recvs == []
+    # Both from rank 0, the leaving one: vLLM pairs an expert's first receiver with its first holder.
+    assert plans[2].recvs == [(0, 0, 0), (1, 0, 1)]
+    assert plans[0].sends == [(2, 0), (2, 1)] and plans[0].recvs == []
     weights = [weights_for(shape, old, r) for r in range(3)]
     rearrange_in_memory(old, new, weights, mapping)
     assert check_weights(weights[1], new, 0) == [] and check_weights(weights[2], new, 1) == []
