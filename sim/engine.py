@@ -72,8 +72,12 @@ class Engine:
                 self.on_progress(self.step, self.now())
             self.faults.at_step(self.step)
             if events and events[0].at_step <= self.step:
-                if not self.elastic(events.pop(0)):
+                event = events.pop(0)
+                if not self.elastic(event):
                     return
+                if event.kind in ("scale_up", "scale_down"):
+                    # vLLM resets expert_rearrangement_step after the reshuffle, so that all ranks count alike.
+                    next_rebalance = self.step + sc.eplb.step_interval
                 continue
             if self.step >= next_rebalance:
                 # Async EPLB moves the layers while serving goes on (vLLM's EplbState.step, one layer per forward
