@@ -80,6 +80,7 @@ def _handle_value(fabric) -> int:
 
 
 _INT_MIN, _INT_MAX = -2**31, 2**31 - 1  # pybind casts the indices to C++ ints
+_INT_TYPE = frozenset({int})
 
 
 def _cast_error(values: Any) -> None:
@@ -89,23 +90,20 @@ def _cast_error(values: Any) -> None:
 
 def _indices(values: Any) -> list[int]:
     """The indices as 1.5.1 takes them: a 1-D numpy array of any number type (cast), or a sequence of integers; a
-    tensor, floats or None do not cast (RuntimeError), nor does a value outside a C++ int."""
-    if type(values) is list and all(type(v) is int for v in values):  # every EPLB READ: read, never changed
-        out = values
-    elif isinstance(values, np.ndarray):
+    tensor, floats or None do not cast (RuntimeError), nor does a value outside a C++ int (makeXferReq's range
+    check finds those)."""
+    if type(values) is list and {*map(type, values)} <= _INT_TYPE:  # every EPLB READ: read, never changed
+        return values
+    if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise ValueError("indices numpy array must be 1D")
-        out = [int(v) for v in values.tolist()]
-    else:
-        if values is None or type(values).__module__.startswith("torch"):
-            _cast_error(values)
-        items = list(values)
-        if any(isinstance(v, float) or not hasattr(v, "__index__") for v in items):
-            _cast_error(values)
-        out = [int(v) for v in items]
-    if out and (max(out) > _INT_MAX or min(out) < _INT_MIN):
+        return [int(v) for v in values.tolist()]
+    if values is None or type(values).__module__.startswith("torch"):
         _cast_error(values)
-    return out
+    items = list(values)
+    if any(isinstance(v, float) or not hasattr(v, "__index__") for v in items):
+        _cast_error(values)
+    return [int(v) for v in items]
 
 
 class XferMixin:
@@ -188,6 +186,9 @@ class XferMixin:
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
         lt, rt = local.triples, remote.triples
         if min(li) < 0 or max(li) >= len(lt) or min(ri) < 0 or max(ri) >= len(rt):
+            for values, given in ((li, local_idx), (ri, remote_idx)):
+                if max(values) > _INT_MAX or min(values) < _INT_MIN:  # pybind would not have cast it
+                    _cast_error(given)
             S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
         pairs, lregs, rregs = [], [], []
         local_regions, remote_regions = local.regions, remote.regions
