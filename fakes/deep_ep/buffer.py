@@ -486,7 +486,10 @@ class Buffer:
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)
-        if state not in (AVAILABLE, CONSTRUCTING):
+        # A trapped buffer was never destroyed either: with the flag on, DeepEP's destructor warns about it too.
+        # (One whose constructor asserted never existed on the C++ side: it has no team.)
+        trapped = state == POISONED and getattr(self, "_team", None) is not None
+        if state not in (AVAILABLE, CONSTRUCTING) and not (trapped and getattr(self, "explicitly_destroy", False)):
             return
         if getattr(self, "explicitly_destroy", False):
             self.state = LEAKED

@@ -147,8 +147,15 @@ def test_low_latency_timeout_poisons_the_buffer() -> None:
             buf.clean_low_latency_buffer(4, HIDDEN, 4)
         return buf
 
-    for res in ranks.run(body):
+    results = ranks.run(body)
+    for res in results:
         assert not isinstance(res, BaseException), res
+    # Never destroyed: with explicitly_destroy, DeepEP's destructor warns about a trapped buffer too, and it leaks.
+    trapped = results[0]
+    del results
+    trapped.__del__()
+    assert trapped.state == deep_ep.LEAKED
+    assert [f["pid"] for _, kind, f in ranks.kernel.history.records if kind == "deep_ep.leak"] == [0]
 
 
 def test_misuse_raises_what_deep_ep_raises() -> None:
