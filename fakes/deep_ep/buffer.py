@@ -33,6 +33,8 @@ from ._team import DeepEPTimeout, Team
 NUM_MAX_NVL_PEERS = 8
 NUM_MAX_RDMA_PEERS = 20
 NUM_BUFFER_ALIGNMENT_BYTES = 128
+# The EP sizes DeepEP's get_dispatch_config / get_combine_config have a recommended config for (deep_ep/buffer.py).
+CONFIG_EP_SIZES = frozenset({2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
@@ -287,6 +289,12 @@ class Buffer:
         return num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, EventOverlap()
 
     # -- high-throughput dispatch and combine (collective) --------------------------------------------------------
+    def _recommended_config(self) -> None:
+        """Without a ``config``, DeepEP takes its recommended one for the EP size, and has one for a few sizes only
+        (an elastic EP that grows to, say, 3 or 72 ranks asserts at its first high-throughput dispatch)."""
+        assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
+
+
     def dispatch(self, x: Any, handle: Optional[_Handle] = None, num_tokens_per_rank: Any = None,
                  num_tokens_per_rdma_rank: Any = None, is_token_in_rank: Any = None,
                  num_tokens_per_expert: Any = None, topk_idx: Optional[torch.Tensor] = None,
@@ -295,6 +303,8 @@ class Buffer:
                  allocate_on_comm_stream: bool = False):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
         self._live("intranode_dispatch")
+        if config is None:
+            self._recommended_config()
         if handle is not None:
             self._check_handle(handle, low_latency=False)
             raise NotImplementedError("cached re-dispatch with a handle is not modelled by the fake DeepEP")
@@ -334,6 +344,8 @@ class Buffer:
                 allocate_on_comm_stream: bool = False):
         """(combined_x, combined_topk_weights, event): every rank's rows for a token summed back at its source."""
         self._live("intranode_combine")
+        if config is None:
+            self._recommended_config()
         self._check_handle(handle, low_latency=False)
         mine = (x.detach().clone(), None if topk_weights is None else topk_weights.clone(), handle.layout,
                 handle.num_tokens)

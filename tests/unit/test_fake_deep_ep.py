@@ -382,3 +382,22 @@ def test_a_leaked_low_latency_buffer_above_8_ranks_keeps_the_static_team_from_th
     ranks = SimulatedRanks(16, nvshmem="elastic")
     second = ranks.new_group("again", list(range(16)))
     assert ranks.run(lambda g: body(g, False)) == [True] * 16
+
+
+def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_config_for() -> None:
+    # DeepEP's dispatch and combine take the recommended config of the EP size when given none; there is none for 3.
+    xs, idxs, ws = _inputs(3, 4, 6, 2, seed=3)
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 6)
+        with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 3"):
+            buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r])
+        buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=idxs[r], topk_weights=ws[r], config=object())  # a config of the caller's: no check
+        buf.destroy()
+        return "ok"
+
+    assert SimulatedRanks(3).run(body) == ["ok"] * 3
