@@ -74,7 +74,7 @@ def throughput(quick: bool = False) -> dict[str, Any]:
         out["ray_runs_per_s"] = None
         return out
     try:
-        ray_engine._start()
+        ray_engine.start()
         out["ray_runs_per_s"] = round(_through(plan("scale-up", range(3 * n, 4 * n)), ray_engine), 2)
     finally:
         ray_engine.ray.shutdown()

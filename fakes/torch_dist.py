@@ -11,7 +11,7 @@ Groups are stateless, as vLLM's elastic EP groups are (a ``ProcessGroup`` made o
 in torch's world map): ``group.rank()``, ``get_world_size(group)``, the collectives and ``broadcast_object_list(...,
 group_src=)`` work on them, while ``get_rank(group)`` and ``broadcast_object_list(..., src=)`` (a global rank) raise
 the ValueError torch raises.  As with gloo, a collective that timed out leaves the group's connections closed (every
-later collective on it fails at once, a late arrival included), and a collective whose contributions do not fit
+later collective on it fails at once, a late arrival included, and the other members' waits end), and a collective whose contributions do not fit
 together (shapes, dtypes, list lengths, roots) fails on every member instead of leaving the others waiting.
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
@@ -22,6 +22,7 @@ together (shapes, dtypes, list lengths, roots) fails on every member instead of 
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -122,6 +123,20 @@ class Rendezvous:
         self._next_seq = [0] * len(pids)
         self.destroyed = False
         self.broken: str | None = None  # why the group's connections closed; every later collective fails at once
+        self._closed = None  # the event that wakes every wait on the group when it closes (made on first use)
+
+    def _closed_event(self):
+        """Triggered when the group's connections close (:meth:`_close`): every wait on the group ends then."""
+        if self._closed is None:
+            self._closed = self.kernel.env.event()
+        return self._closed
+
+    def _close(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+        closed = self._closed_event()
+        if not closed.triggered:
+            closed.succeed()
 
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
@@ -162,7 +177,7 @@ class Rendezvous:
                 results = combine([op.args[r] for r in range(len(self.pids))])
             except Exception as exc:  # contributions that do not fit: every member fails, none waits for ever
                 op.error, results = (rank, exc), None
-                self.broken = f"collective #{seq} failed on rank {rank}"
+                self._close(f"collective #{seq} failed on rank {rank}")
             del self._ops[seq]
             if self.latency_s > 0:
                 self.kernel.env.timeout(self.latency_s).callbacks.append(
@@ -175,21 +190,26 @@ class Rendezvous:
         """Wait for ``op`` (issued by :meth:`arrive`) and return this rank's result.  ``timeout_s``: a
         ``Work.wait(timeout)`` shorter than the group's own timeout."""
         kind, seq = op.kind, op.seq
-        limit = self.timeout_s
+        limit, own_due = self.timeout_s, math.inf
         if not op.done.triggered:
             env = self.kernel.env
-            waits = [op.done, op.deadline]
+            waits = [op.done, op.deadline, self._closed_event()]
             if timeout_s is not None and timeout_s < self.timeout_s:
-                limit = timeout_s
+                limit, own_due = timeout_s, env.now + timeout_s
                 waits.append(env.timeout(timeout_s))
             self.kernel.wait(env.any_of(waits), f"{kind} #{seq} on group {self.name}")
-            if not op.done.triggered and len(op.args) == len(self.pids):  # everyone came: only the latency is left
-                self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")
+            # This rank's own bound is up when its time has come, whichever event of that instant woke it first.
+            own_up = env.now >= own_due
+            if not op.done.triggered and not (op.deadline.processed or own_up) and self.broken is not None:
+                # Another rank's collective on this group failed: gloo closed the pairs, and this wait ends too.
+                raise RuntimeError(f"{kind} #{seq} on group {self.name}: connection closed by peer ({self.broken})")
+            if not op.done.triggered and len(op.args) == len(self.pids) and not own_up:
+                self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")  # everyone came: only the latency
         if not op.done.triggered:
             missing = [r for r in range(len(self.pids)) if r not in op.args]
             self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
                                        missing=[self.pids[r] for r in missing])
-            self.broken = self.broken or f"collective #{seq} timed out on rank {rank}"
+            self._close(f"collective #{seq} timed out on rank {rank}")
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {limit:g} s: ranks "
                 f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
@@ -352,10 +372,18 @@ def all_reduce(tensor, op=None, group=None, async_op: bool = False):
         return [out] * len(values)
 
     op_ = g.rendezvous.arrive(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce)
-    # The result lands in the rank's tensor when the collective completes, waited for or not (as gloo's does).
-    rank = g.rank()
-    op_.done.callbacks.append(lambda ev: ev.value is not None and tensor.copy_(ev.value[rank]))
-    work = _Work(g, op_, True, tensor.copy_)  # casts to the tensor's dtype, as the real all_reduce leaves it
+    # The result lands in the rank's tensor once, when the collective completes, waited for or not (as gloo's
+    # does); whichever comes first, the completion or the caller's wait, copies it (cast to the tensor's dtype), so
+    # the other never overwrites what the caller wrote since.
+    rank, landed = g.rank(), []
+
+    def land(result) -> None:
+        if not landed:
+            landed.append(True)
+            tensor.copy_(result)
+
+    op_.done.callbacks.append(lambda ev: ev.value is not None and land(ev.value[rank]))
+    work = _Work(g, op_, True, land)
     if async_op:
         return work
     work.wait()

@@ -200,7 +200,6 @@ class Buffer:
                 raise RuntimeError(f"Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
                                    f"buffer above 8 ranks while {holder} still holds the team: never destroyed)")
             owners[self._pid] = self._team.name
-            self._holds_static_team = True
         if effective != self.group_size:
             # The old world is in effect (still alive, or reused after finalize): nvshmem_align is collective over it,
             # and the new group's ranks never meet.
@@ -489,9 +488,8 @@ class Buffer:
         if self._nvshmem is not None:
             self._nvshmem.finalize(_nvshmem.worlds(self._kernel).profile)
             self._nvshmem = None
-            if getattr(self, "_holds_static_team", False):
-                _static_team_owner.get(self._kernel, {}).pop(self._pid, None)
-                self._holds_static_team = False
+            # internode::finalize resets the process's sub-RDMA team, whichever buffer held it.
+            _static_team_owner.get(self._kernel, {}).pop(self._pid, None)
         self.runtime = None
         self.state = DESTROYED
         self._kernel.history.record("deep_ep.destroy", pid=self._pid, team=self._team.name)

@@ -401,3 +401,21 @@ def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_c
         return "ok"
 
     assert SimulatedRanks(3).run(body) == ["ok"] * 3
+
+
+def test_any_nvshmem_finalize_releases_the_sub_rdma_team() -> None:
+    # internode::finalize resets the process's team whichever buffer calls it: a leaked LL buffer's team goes with
+    # the next destroy of another NVSHMEM buffer in the process.
+    ranks = SimulatedRanks(16, nvshmem="elastic")
+    g2, g3 = ranks.new_group("b", list(range(16))), ranks.new_group("c", list(range(16)))
+
+    def body(g):
+        ll = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
+        leaked = deep_ep.Buffer(g, **ll)
+        del leaked
+        other = deep_ep.Buffer(g2[g.rank()], num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20, explicitly_destroy=True)
+        other.destroy()
+        deep_ep.Buffer(g3[g.rank()], **ll).destroy()
+        return "ok"
+
+    assert ranks.run(body) == ["ok"] * 16

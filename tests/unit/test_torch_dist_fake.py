@@ -350,3 +350,50 @@ def test_a_process_using_another_members_handle_is_refused() -> None:
     k.spawn("intruder", intruder, pid=7)
     k.run()
     assert got == {"error": "barrier on group eplb#0: pid 7 used the handle of rank 0 (pid 10)"}
+
+
+def test_the_result_lands_once_and_never_over_what_the_caller_wrote_since() -> None:
+    k, groups = world(2)
+
+    def body(g):
+        k.sleep(float(g.rank()))  # rank 1 arrives last: its collective is complete at once
+        t = torch.tensor([float(g.rank() + 1)])
+        torch_dist.all_reduce(t, group=g)
+        t.add_(100)
+        k.sleep(0.0)  # the completion is processed here
+        return t.item()
+
+    assert _spawn_all(k, groups, body) == [("ok", 103.0)] * 2
+
+
+def test_a_wait_bound_holds_while_only_the_latency_is_left() -> None:
+    import datetime
+
+    k = Kernel(seed=0)
+    groups = Rendezvous(k, "eplb#0", [10, 11], 300.0, latency_s=5.0).groups()
+
+    def body(g):
+        work = torch_dist.barrier(group=g, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=1))
+        return "ok"
+
+    got = _spawn_all(k, groups, body)
+    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 1.0, got
+
+
+def test_a_closed_group_ends_the_other_members_waits_at_once() -> None:
+    import datetime
+
+    k, groups = world(3)
+
+    def body(g):
+        if g.rank() == 2:
+            k.sleep(2.0)
+        work = torch_dist.barrier(group=g, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=1) if g.rank() == 0 else None)
+        return "ok"
+
+    got = _spawn_all(k, groups, body)
+    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 1.0
+    assert got[1][0] == "RuntimeError" and got[1][2] == 1.0 and "connection closed by peer" in got[1][1]
+    assert got[2][0] == "RuntimeError" and got[2][2] == 2.0
