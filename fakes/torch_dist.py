@@ -11,8 +11,9 @@ Groups are stateless, as vLLM's elastic EP groups are (a ``ProcessGroup`` made o
 in torch's world map): ``group.rank()``, ``get_world_size(group)``, the collectives and ``broadcast_object_list(...,
 group_src=)`` work on them, while ``get_rank(group)`` and ``broadcast_object_list(..., src=)`` (a global rank) raise
 the ValueError torch raises.  As with gloo, a collective that timed out leaves the group's connections closed (every
-later collective on it fails at once, a late arrival included, and the other members' waits end), and a collective whose contributions do not fit
-together (shapes, dtypes, list lengths, roots) fails on every member instead of leaving the others waiting.
+later collective on it fails at once, a late arrival included, and the other members' waits end), and a collective
+whose contributions do not fit together (shapes, dtypes, list lengths, roots) fails on every member instead of leaving
+the others waiting.
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
 ``group`` argument is a fake group, and to the real functions otherwise, so code written against
@@ -138,6 +139,9 @@ class Rendezvous:
         if not closed.triggered:
             closed.succeed()
 
+    def _closed_error(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what} on group {self.name}: connection closed by peer ({self.broken})")
+
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
 
@@ -152,7 +156,7 @@ class Rendezvous:
         if self.destroyed:
             raise RuntimeError(f"{kind} on destroyed group {self.name}")
         if self.broken is not None:
-            raise RuntimeError(f"{kind} on group {self.name}: connection closed by peer ({self.broken})")
+            raise self._closed_error(kind)
         caller = self.kernel.current()
         if caller is not None and caller.pid != self.pids[rank]:
             # Processes share no objects: a group handle used by another process is a bug in the caller, which
@@ -202,7 +206,7 @@ class Rendezvous:
             own_up = env.now >= own_due
             if not op.done.triggered and not (op.deadline.processed or own_up) and self.broken is not None:
                 # Another rank's collective on this group failed: gloo closed the pairs, and this wait ends too.
-                raise RuntimeError(f"{kind} #{seq} on group {self.name}: connection closed by peer ({self.broken})")
+                raise self._closed_error(f"{kind} #{seq}")
             if not op.done.triggered and len(op.args) == len(self.pids) and not own_up:
                 self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")  # everyone came: only the latency
         if not op.done.triggered:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
-import math
 import os
 import signal
 import sys
@@ -209,8 +208,7 @@ class RealWorker:
             # As the simulation's worker: transfer here, then the layer is copied out of expert_buffer on the
             # (lagging) stream at the next step boundary, and the next layer's transfers start at once.
             move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
-            done_steps = math.floor((time.perf_counter() - start) / step) + 1
-            time.sleep(max(0.0, start + done_steps * step - time.perf_counter()))
+            time.sleep(max(0.0, move.until_next_step(start, time.perf_counter(), step)))
             move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.
         self.history("eplb.moved", seconds=time.perf_counter() - self._rearrange_started)

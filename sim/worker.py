@@ -8,7 +8,6 @@ the async EPLB daemon).  The communicator is the code under test; everything els
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,9 +176,8 @@ class Worker:
             # issues move_from_buffer on the compute stream and records the consumed event, and this thread
             # starts the next layer's transfers at once, in no order with that stream.
             move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows)
-            done_steps = math.floor((self.kernel.now() - start) / step + 1e-9) + 1
-            self.kernel.sleep(start + done_steps * step - self.kernel.now(), "async EPLB: the main thread takes "
-                                                                               "the layer at its next step")
+            self.kernel.sleep(move.until_next_step(start, self.kernel.now(), step),
+                              "async EPLB: the main thread takes the layer at its next step")
             move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
         space = move.rank_space(old, new, mapping)
         new_rank = space.to_new[rank]

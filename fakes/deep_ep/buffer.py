@@ -288,10 +288,11 @@ class Buffer:
         return num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, EventOverlap()
 
     # -- high-throughput dispatch and combine (collective) --------------------------------------------------------
-    def _recommended_config(self) -> None:
+    def _check_config(self, config: Any) -> None:
         """Without a ``config``, DeepEP takes its recommended one for the EP size, and has one for a few sizes only
         (an elastic EP that grows to, say, 3 or 72 ranks asserts at its first high-throughput dispatch)."""
-        assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
+        if config is None:
+            assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
 
 
     def dispatch(self, x: Any, handle: Optional[_Handle] = None, num_tokens_per_rank: Any = None,
@@ -302,8 +303,7 @@ class Buffer:
                  allocate_on_comm_stream: bool = False):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
         self._live("intranode_dispatch")
-        if config is None:
-            self._recommended_config()
+        self._check_config(config)
         if handle is not None:
             self._check_handle(handle, low_latency=False)
             raise NotImplementedError("cached re-dispatch with a handle is not modelled by the fake DeepEP")
@@ -343,8 +343,7 @@ class Buffer:
                 allocate_on_comm_stream: bool = False):
         """(combined_x, combined_topk_weights, event): every rank's rows for a token summed back at its source."""
         self._live("intranode_combine")
-        if config is None:
-            self._recommended_config()
+        self._check_config(config)
         self._check_handle(handle, low_latency=False)
         mine = (x.detach().clone(), None if topk_weights is None else topk_weights.clone(), handle.layout,
                 handle.num_tokens)

@@ -281,7 +281,8 @@ class nixl_agent:
         else:  # 1.5.1 hands the binding a backend handle where it takes a list: every call with a backend fails
             self.backends[backend]  # an unknown name is a KeyError first
             raise TypeError("genNotif(): incompatible function arguments. The following argument types are "
-                            "supported:\n    1. (self: nixlAgent, remote_agent: str, msg: str, backend: int = 0) -> None")
+                            "supported:\n    1. (self: nixlAgent, remote_agent: str, msg: str, backend: int = 0) "
+                            "-> None")
 
     # -- metadata -------------------------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:

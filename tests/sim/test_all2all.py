@@ -109,8 +109,8 @@ def test_a_buffer_dropped_without_destroy_is_a_leak_at_the_moment_deep_ep_warns(
     # (explicitly_destroy=True, as vLLM passes) before the cleanup, which finds the weak cache empty.
     r = _run("scale-up", **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
     assert (r.verdict, r.invariant) == ("safety", "leak")
-    assert r.detail == ("pid 1: DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy() (explicitly_destroy=True): "
-                        "DeepEP only warns, and its buffers stay allocated")
+    assert r.detail == ("pid 1: DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy() "
+                        "(explicitly_destroy=True): DeepEP only warns, and its buffers stay allocated")
     assert 50 < r.sim_time_s and capsys.readouterr().out == ""  # DeepEP's printf stays out of the run's output
 
 
