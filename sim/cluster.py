@@ -64,7 +64,8 @@ class Cluster(Engine):
         self.fabric.poll_wait = self._poll_wait
         self.fabric.thread_of = self.kernel.current
         self.oracles = Oracles(self)
-        self.fabric.listeners.append(self._on_fabric)
+        self.fabric.event_listeners.append(self._on_fabric)
+        self.fabric.xfer_listeners.append(self._on_xfer)
         self.gc = GcController(self)
         self.faults = fault_catalogue.FaultPlan(list(faults), self.fabric, self.kernel.history)
         self._cache: dict[Any, Any] = {}
@@ -80,16 +81,19 @@ class Cluster(Engine):
         self.kernel.sleep(wait, "polling a NIXL transfer")
 
     def _on_fabric(self, kind: str, fields: dict[str, Any]) -> None:
-        name = _XFER_KINDS.get(kind)
-        if name is not None:  # half of all events: straight to the oracle and the history
-            if kind == "xfer.done":
-                self.oracles.transfer_done(fields)
-            self.kernel.history.add(name, xfer_record(fields))
-            return
         self.oracles.on_fabric(kind, fields)
         entry = fabric_record(kind, fields)
         if entry is not None:
             self.kernel.history.add(*entry)
+
+    def _on_xfer(self, kind: str, core: Any, req: Any, target: str | None) -> None:
+        """A transfer's post or completion (half of all events), read from the fake's request in place."""
+        if kind == "xfer.done":
+            local, remote = req.spans
+            self.oracles.transfer_moved(core.name, core.pid, req.op, req.nbytes, core.conn, local, target, remote)
+        # The same record fabric_record makes of the event's fields.
+        self.kernel.history.add(_XFER_KINDS[kind], {"agent": core.name, "pid": core.pid, "peer": req.peer,
+                                                    "op": req.op, "nbytes": req.nbytes})
 
     def _deep_ep(self):
         """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""

@@ -124,22 +124,31 @@ class Oracles:
                     break
 
     def transfer_done(self, f: dict[str, Any]) -> None:
-        """A transfer moved its bytes: both sides must be registered with their agents at this moment."""
-        self.metrics["transfers"] += 1
-        self.metrics["bytes_moved"] += f["nbytes"]
-        for side, conn, spans in (("local", f["conn"], f["local"]), ("remote", f["target"], f["remote"])):
-            index = self.live.get(conn)
+        """A transfer moved its bytes (an ``xfer.done`` event's fields)."""
+        self.transfer_moved(f["agent"], f["pid"], f["op"], f["nbytes"], f["conn"], f["local"], f["target"],
+                            f["remote"])
+
+    def transfer_moved(self, agent: str, pid: int, op: str, nbytes: int, conn: str, local, target: str | None,
+                       remote) -> None:
+        """A transfer moved its bytes: both sides must be registered with their agents at this moment.  ``local``
+        and ``remote``: its (addr, len) spans in the memory of ``conn`` (the agent that posted it) and ``target``."""
+        metrics = self.metrics
+        metrics["transfers"] += 1
+        metrics["bytes_moved"] += nbytes
+        live = self.live
+        for side, where, spans in (("local", conn, local), ("remote", target, remote)):
+            index = live.get(where)
             if index is None:
                 missing = spans[0] if spans else None
             else:
                 missing = index.first_uncovered(0, spans)
             if missing is not None:
-                src = f["target"] if f["op"] == "READ" else f["conn"]
-                who = self.agent_name.get(conn, conn)
-                state = "destroyed" if conn in self.destroyed else "live"
+                src = target if op == "READ" else conn
+                who = self.agent_name.get(where, where)
+                state = "destroyed" if where in self.destroyed else "live"
                 self._problem("safety", "unregistered_access",
-                              f"{f['op']} by {f['agent']} (pid {f['pid']}) moved {missing[1]} B "
-                              f"{'from' if conn == src else 'into'} {side} memory of {who} ({state}) that was "
+                              f"{op} by {agent} (pid {pid}) moved {missing[1]} B "
+                              f"{'from' if where == src else 'into'} {side} memory of {who} ({state}) that was "
                               "not registered at that moment")
                 return
 

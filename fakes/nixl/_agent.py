@@ -97,7 +97,8 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         """Start of every call: let the fabric make progress (complete transfers, deliver notifications), and note
         a call from one thread while another holds open transfer requests on this agent."""
         fabric = self.fabric
-        if fabric._pending or fabric._clock is None:  # (progress() would return at once: spare the call)
+        pending, clock = fabric._pending, fabric._clock
+        if clock is None or (pending and pending[0][0] <= clock()):  # else progress() would find nothing due
             fabric.progress()
         owners = self.req_owners
         if owners and fabric.thread_of is not None and not self.config.syncMode:  # NONE: no locking inside

@@ -31,14 +31,15 @@ class _DList:
     def __init__(self, type: nixl_mem_t, descs: Any = 0) -> None:  # noqa: A002 - the real keyword is `type`
         self._type = _mem_type(type)
         self._descs: list[tuple] = []
-        if isinstance(descs, int):
-            return  # (type, init_size): the size is a capacity hint only
-        if hasattr(descs, "ndim"):  # numpy Nx3
-            if descs.ndim != 2 or descs.shape[1] != 3:
-                raise ValueError("descs must be a 2D numpy array with 3 columns")
-            for row in descs.tolist():
-                self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
-            return
+        if descs.__class__ is not list:  # (the transfer path, every EPLB READ, has a list: skip two probes)
+            if isinstance(descs, int):
+                return  # (type, init_size): the size is a capacity hint only
+            if hasattr(descs, "ndim"):  # numpy Nx3
+                if descs.ndim != 2 or descs.shape[1] != 3:
+                    raise ValueError("descs must be a 2D numpy array with 3 columns")
+                for row in descs.tolist():
+                    self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
+                return
         arity = self._arity
         for desc in descs:
             if not isinstance(desc, tuple) or len(desc) != arity:

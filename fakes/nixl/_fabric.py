@@ -77,7 +77,15 @@ class FakeFabric:
         self._pending: list[tuple[float, int, Callable[[], None]]] = []  # (due, seq, action) heap
         self._freed: list[tuple[int, int]] = []  # [lo, hi) ranges given back to the allocator
         self.faults = FaultBoard(self.now)
+        # Who hears what happens.  ``listeners`` get every event as (kind, fields).  The simulator, which sees two
+        # transfer events per READ (half of a run's events), splits them: ``event_listeners`` get every event but
+        # a transfer's post and completion, ``xfer_listeners`` get those two as (kind, agent core, request, the
+        # connection of the agent on the other side or None), read in place instead of copied into a dict of fields
+        # (which is built only if ``listeners`` is not empty); ``request.spans`` holds the local and remote
+        # (addr, len) spans.
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.event_listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.xfer_listeners: list[Callable[[str, Any, Any, str | None], None]] = []
         # Inside the simulator: called when a state check finds a transfer still in flight, with the time its
         # completion is due (inf if never).  The kernel sleeps the polling thread until then, which is what a
         # polling loop costs in simulated time without one event per spin.
@@ -208,6 +216,8 @@ class FakeFabric:
 
     def emit(self, kind: str, **fields: Any) -> None:
         for listener in self.listeners:
+            listener(kind, fields)
+        for listener in self.event_listeners:
             listener(kind, fields)
 
 

@@ -13,7 +13,7 @@ from bisect import bisect_right
 from collections import Counter
 from typing import Any, Hashable, Iterable
 
-_MISSING = object()
+_MAX_LIST_ANSWERS = 1 << 16  # whole-list answers kept between changes
 
 
 class SpanIndex:
@@ -23,7 +23,10 @@ class SpanIndex:
         self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
         # Answers since the last change: EPLB asks about the same few hundred ranges layer after layer.
         self._answers: dict[tuple[Hashable, int, int], Any] = {}
-        self._flat_answers: dict[tuple[int, int, int, int], Any] = {}  # (mem, dev, start, length): find_each's
+        # Whole-list answers, keyed by the list as a tuple (hashed in C): a READ's descriptor lists and the spans
+        # its completion checks repeat layer after layer, so each is one lookup instead of one per descriptor.
+        self._list_answers: dict[tuple, tuple] = {}
+        self._uncovered: dict[tuple, Any] = {}
 
     def add(self, key: Hashable, start: int, length: int, payload: Any) -> None:
         self._items.append((key, start, start + length, payload))
@@ -33,7 +36,8 @@ class SpanIndex:
     def _changed(self) -> None:
         self._groups = None
         self._answers.clear()
-        self._flat_answers.clear()
+        self._list_answers.clear()
+        self._uncovered.clear()
 
     def remove(self, payload: Any) -> bool:
         """Remove one entry whose payload equals ``payload``; False if there is none."""
@@ -94,31 +98,36 @@ class SpanIndex:
                 return found
         return self._find(key, start, length, skip)
 
-    def find_each(self, mem: int, triples: Iterable[tuple[int, int, int]], skip=None) -> list[Any]:
-        """``[find((mem, dev), addr, length, skip) for addr, length, dev in triples]`` in one call (a prepared
+    def find_each(self, mem: int, triples: Iterable[tuple[int, int, int]], skip=None) -> tuple[Any, ...]:
+        """``tuple(find((mem, dev), addr, length, skip) for addr, length, dev in triples)`` in one call (a prepared
         descriptor list looks up every descriptor)."""
         if skip is not None:
-            return [self._find((mem, dev), addr, length, skip) for addr, length, dev in triples]
-        answers, found = self._flat_answers, []  # keyed flat: one small tuple per descriptor, not two
-        for addr, length, dev in triples:
-            query = (mem, dev, addr, length)
-            payload = answers.get(query, _MISSING)
-            if payload is _MISSING:
-                payload = answers[query] = self._find((mem, dev), addr, length, None)
-            found.append(payload)
+            return tuple(self._find((mem, dev), addr, length, skip) for addr, length, dev in triples)
+        query = (mem, triples if type(triples) is tuple else tuple(triples))
+        found = self._list_answers.get(query)
+        if found is None:
+            if len(self._list_answers) >= _MAX_LIST_ANSWERS:  # a caller making ever new lists: stay bounded
+                self._list_answers.clear()
+            find = self.find
+            found = self._list_answers[query] = tuple(find((mem, dev), addr, length) for addr, length, dev in query[1])
         return found
 
     def first_uncovered(self, key: Hashable, spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
         """The first ``(start, length)`` of ``spans`` that no range under ``key`` covers; None if all are covered."""
-        answers = self._answers
-        for start, length in spans:
-            query = (key, start, length)
-            payload = answers.get(query, _MISSING)
-            if payload is _MISSING:
-                payload = answers[query] = self._find(key, start, length, None)
-            if payload is None:
-                return start, length
-        return None
+        query = (key, spans if type(spans) is tuple else tuple(spans))
+        try:
+            return self._uncovered[query]
+        except KeyError:
+            pass
+        if len(self._uncovered) >= _MAX_LIST_ANSWERS:
+            self._uncovered.clear()
+        missing = None
+        for start, length in query[1]:
+            if self.find(key, start, length) is None:
+                missing = (start, length)
+                break
+        self._uncovered[query] = missing
+        return missing
 
     def _find(self, key: Hashable, start: int, length: int, skip) -> Any:
         groups = self._groups if self._groups is not None else self._build()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ctypes import memmove  # the bytes of a transfer move for real, host to host
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -31,8 +31,8 @@ class PreppedDlist:
     peer: str | None
     generation: int | None
     mem: int
-    triples: list[tuple[int, int, int]]
-    regions: list[Region]
+    triples: tuple[tuple[int, int, int], ...]
+    regions: tuple[Region, ...]  # shared with the range index's answer: never changed
 
 
 @dataclass(slots=True)
@@ -42,8 +42,8 @@ class XferReq:
     peer: str  # remote agent name; our own name for loopback
     generation: int | None  # the peer entry this request was made against
     pairs: list[tuple[int, int, int]]  # (local addr, remote addr, length)
-    local_regions: list[Region]
-    remote_regions: list[Region]
+    local_regions: Sequence[Region]  # a prepared list's own tuple when the request takes it whole
+    remote_regions: Sequence[Region]
     notif: bytes = b""
     state: str = NEW
     error: int = 0
@@ -53,12 +53,23 @@ class XferReq:
     fail_after: Any = None
     finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
     due: float = 0.0  # when the bytes will have moved (inf: never)
-    nbytes: int = field(init=False, default=0)
-    spans: tuple | None = field(init=False, default=None)  # ([(local addr, len)], [(remote addr, len)]) for events
-    owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
+    nbytes: int = -1  # the sum of the lengths (the descriptors never change after the request is made)
+    owner: Any = None  # the simulated thread that made it (inside the simulator)
+    _spans: tuple | None = None
 
     def __post_init__(self) -> None:
-        self.nbytes = sum([p[2] for p in self.pairs])  # the descriptors never change after the request is made
+        if self.nbytes < 0:
+            self.nbytes = sum([p[2] for p in self.pairs])
+
+    @property
+    def spans(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """((local addr, len), ...) and ((remote addr, len), ...): what listeners read of the descriptors, made on
+        first use (a transfer's completion; its post needs none)."""
+        spans = self._spans
+        if spans is None:
+            pairs = self.pairs
+            spans = self._spans = (tuple([(la, n) for la, _, n in pairs]), tuple([(ra, n) for _, ra, n in pairs]))
+        return spans
 
 
 # What a released request handle resolves to: every use of it is refused (or crashes) before its content is read.
@@ -74,12 +85,25 @@ class nixlXferTelemetry:
     descCount: int = 0
 
 
+_HANDLE_BASE = 0x7F00_0000_0000
+
+
 def _handle_value(fabric) -> int:
     # Real handles are heap pointers; the fake's look alike but are deterministic.
-    return 0x7F00_0000_0000 + next(fabric._ids) * 0x40
+    return _HANDLE_BASE + next(fabric._ids) * 0x40
 
 
 _INT_MIN, _INT_MAX = -2**31, 2**31 - 1  # pybind casts the indices to C++ ints
+_IN_ORDER: dict[int, list[int]] = {}
+_LOOKUP = object()  # "look the peer up": None is an answer (not a peer)
+
+
+def _in_order(n: int) -> list[int]:
+    """``list(range(n))``, made once per n: the indices of a request that takes two whole lists in order."""
+    found = _IN_ORDER.get(n)
+    if found is None:
+        found = _IN_ORDER[n] = list(range(n))
+    return found
 _INT_TYPE = frozenset({int})
 
 
@@ -126,7 +150,7 @@ class XferMixin:
             S.fail(S.NOT_FOUND, f"{call}: metadata for remote agent '{agent_name}' not found")
         return "remote", peer, peer.covers
 
-    def _regions_of(self, agent_name: str, mem: int, triples: list[tuple[int, int, int]], call: str):
+    def _regions_of(self, agent_name: str, mem: int, triples: tuple[tuple[int, int, int], ...], call: str):
         """(side, peer, the Region covering each descriptor, None where nothing does) of a descriptor list
         prepared towards ``agent_name``: our own registrations for NIXL_INIT_AGENT, else as :meth:`_remote_side`
         looks them up."""
@@ -145,12 +169,13 @@ class XferMixin:
     def prepXferDlist(self, agent_name: str, descs: Any, *rest: Any) -> int:
         self._enter()
         if type(descs) is nixlXferDList:  # every EPLB READ, twice
-            triples, mem = list(descs._descs), int(descs._type)
+            triples, mem = tuple(descs._descs), int(descs._type)
         elif isinstance(descs, S.nixl_mem_t):  # strided overload: (name, mem, Nx5 array, backends)
             mem, rows = int(descs), rest[0]
-            triples = [(int(a) + i * int(st), int(n), int(d)) for a, n, d, st, c in rows.tolist() for i in range(int(c))]
+            triples = tuple((int(a) + i * int(st), int(n), int(d))
+                            for a, n, d, st, c in rows.tolist() for i in range(int(c)))
         else:
-            triples = self._xfer_triples(descs, "prepXferDlist")
+            triples = tuple(self._xfer_triples(descs, "prepXferDlist"))
             mem = int(descs.getType())
         if not triples:
             S.fail(S.NOT_FOUND, "prepXferDlist: empty descriptor list: no backend can prepare it")
@@ -158,7 +183,7 @@ class XferMixin:
         for region in regions:
             if region is None:
                 self._no_registration("prepXferDlist")
-        handle = _handle_value(self.fabric)
+        handle = _HANDLE_BASE + next(self.fabric._ids) * 0x40  # _handle_value, inlined
         self.dlists[handle] = PreppedDlist(handle, side, None if side == "local" else agent_name,
                                            peer.generation if peer else None, mem, triples, regions)
         return handle
@@ -176,7 +201,8 @@ class XferMixin:
             S.fail(S.INVALID_PARAM, "makeXferReq: invalid descriptor list handle")
         if local.side != "local" or remote.side == "local":
             S.fail(S.INVALID_PARAM, "makeXferReq: local and remote descriptor list handles are swapped")
-        li, ri = _indices(local_idx), _indices(remote_idx)  # pybind casts them before 1.5.1 looks at anything
+        li = _indices(local_idx)  # pybind casts them before 1.5.1 looks at anything
+        ri = li if remote_idx is local_idx else _indices(remote_idx)
         if remote.side == "remote":
             known = self.peers.get(remote.peer)
             if known is None or known.generation != remote.generation:  # removed (and maybe added again) since
@@ -185,22 +211,32 @@ class XferMixin:
         if not li or len(li) != len(ri):
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
         lt, rt = local.triples, remote.triples
-        if min(li) < 0 or max(li) >= len(lt) or min(ri) < 0 or max(ri) >= len(rt):
-            for values, given in ((li, local_idx), (ri, remote_idx)):
-                if max(values) > _INT_MAX or min(values) < _INT_MIN:  # pybind would not have cast it
-                    _cast_error(given)
-            S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
-        pairs, lregs, rregs = [], [], []
-        local_regions, remote_regions = local.regions, remote.regions
-        for k, (i, j) in enumerate(zip(li, ri)):
-            (la, ln, _), (ra, rn, _) = lt[i], rt[j]
-            if ln != rn:
+        n = len(li)
+        if li == ri and n == len(lt) == len(rt) and li == _in_order(n):  # every EPLB READ: both lists whole
+            pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt) if l[1] == r[1]]
+            if len(pairs) != n:
+                k = next(k for k, (l, r) in enumerate(zip(lt, rt)) if l[1] != r[1])
                 S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
-            pairs.append((la, ra, ln))
-            lregs.append(local_regions[i])
-            rregs.append(remote_regions[j])
+            lregs, rregs = local.regions, remote.regions  # tuples, shared: never changed
+            nbytes = sum([p[2] for p in pairs])
+        else:
+            if min(li) < 0 or max(li) >= len(lt) or min(ri) < 0 or max(ri) >= len(rt):
+                for values, given in ((li, local_idx), (ri, remote_idx)):
+                    if max(values) > _INT_MAX or min(values) < _INT_MIN:  # pybind would not have cast it
+                        _cast_error(given)
+                S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
+            pairs, lregs, rregs = [], [], []
+            local_regions, remote_regions = local.regions, remote.regions
+            for k, (i, j) in enumerate(zip(li, ri)):
+                (la, ln, _), (ra, rn, _) = lt[i], rt[j]
+                if ln != rn:
+                    S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
+                pairs.append((la, ra, ln))
+                lregs.append(local_regions[i])
+                rregs.append(remote_regions[j])
+            nbytes = -1
         peer = remote.peer if remote.side == "remote" else self.name
-        return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
+        return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif, nbytes)
 
     def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
                       notif: bytes | str = b"", backends: list | None = None) -> int:
@@ -224,12 +260,13 @@ class XferMixin:
         pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt)]
         return self._new_req(op, remote_agent, peer.generation if peer else None, pairs, lregs, rregs, notif)
 
-    def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:
+    def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif,
+                 nbytes: int = -1) -> int:
         fabric = self.fabric
         handle = _handle_value(fabric)
         msg = notif if type(notif) is bytes else notif.encode() if isinstance(notif, str) else bytes(notif)
         req = self.xfers[handle] = XferReq(handle, _OPS.get(op) or _OPS[int(op)], peer, generation, pairs, lregs,
-                                           rregs, msg)
+                                           rregs, msg, nbytes=nbytes)
         thread_of = fabric.thread_of
         if thread_of is not None:
             owner = req.owner = thread_of()
@@ -258,17 +295,20 @@ class XferMixin:
             raise S.SimulatedCrash("SIGSEGV", f"{what} on a released transfer handle (real NIXL 1.5.1 segfaults)")
         S.fail(S.INVALID_PARAM, f"{what}: transfer handle was released")
 
-    def _access_error(self, req: XferReq) -> tuple[int, str] | None:
-        """Why the bytes of ``req`` cannot be moved now, as (status, reason), or None if they can."""
-        fabric, profile = self.fabric, self.fabric.profile
+    def _access_error(self, req: XferReq, peer: Any = _LOOKUP) -> tuple[int, str] | None:
+        """Why the bytes of ``req`` cannot be moved now, as (status, reason), or None if they can.  ``peer``: the
+        peer entry of ``req.peer`` if the caller has it (None: not a peer)."""
+        fabric = self.fabric
+        profile = fabric.profile
         if req.peer == self.name:
             target = self
         else:
-            peer = self.peers.get(req.peer)
-            target = self._target(peer) if peer is not None else None
+            if peer is _LOOKUP:
+                peer = self.peers.get(req.peer)
+            target = None if peer is None or peer.failed else fabric.live_agent(peer.conn)  # _target, inlined
             if target is None:
                 return S.REMOTE_DISCONNECT, f"remote agent '{req.peer}' is disconnected"
-        freed = fabric.has_freed()
+        freed = bool(fabric._freed)  # has_freed(), inlined
         must_be_live = profile.unregistered_access == "fail"
         if not freed and not profile.detect_recycled:  # what every transfer of a healthy run takes: no memory freed
             if not must_be_live:
@@ -300,23 +340,23 @@ class XferMixin:
 
     def postXferReq(self, handle: int, notif: bytes | str = b"") -> S.nixl_status_t:
         self._enter()
-        req = self._req(handle, "postXferReq")
+        req = self.xfers.get(handle) or self._req(handle, "postXferReq")
         if req.released:
             self._released_use("transfer()")
         if req.state == PROC:
             S.fail(S.REPOST_ACTIVE, "postXferReq: transfer request is still in progress and cannot be reposted")
-        if self._stale(req):
+        peer = self.peers.get(req.peer)  # None for loopback (an agent is never its own peer)
+        if req.generation is not None and (peer is None or peer.generation != req.generation):  # _stale, inlined
             S.fail(S.NOT_FOUND, f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
                                 "transfer request creation; not posting stale handle")
         if notif:
             req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (row 19)
         faults = self.fabric.faults
         armed = bool(faults.armed)  # the common case: nothing to ask the fault board (four sites per post)
-        peer = self.peers.get(req.peer)
         if armed and peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
                                                                           nth="after_posts"):
             self._fail_endpoint(peer, "injected fault peer.disconnect")
-        problem = self._access_error(req)
+        problem = self._access_error(req, peer)
         if problem is not None:
             code, why = problem
             if code == S.REMOTE_DISCONNECT and peer is not None and not peer.failed:
@@ -336,7 +376,7 @@ class XferMixin:
                 late = faults.take("xfer.late", self.name, req.peer)
                 if late is not None:
                     delay += float(late.params.get("delay", 1.0))
-        self._emit_xfer("xfer.post", req)
+        self._emit_xfer("xfer.post", req, peer)
         if delay <= 0:
             self._complete(req, req.epoch)
             if req.finished:
@@ -346,28 +386,32 @@ class XferMixin:
         req.due = self.fabric.schedule(delay, lambda: self._complete(req, epoch))
         return S.nixl_status_t.NIXL_IN_PROG
 
-    def _emit_xfer(self, kind: str, req: XferReq) -> None:
-        listeners = self.fabric.listeners
-        if not listeners:
+    def _emit_xfer(self, kind: str, req: XferReq, peer: Any = _LOOKUP) -> None:
+        fabric = self.fabric
+        raw, listeners = fabric.xfer_listeners, fabric.listeners
+        if not raw and not listeners:
             return
         if req.peer == self.name:
             target = self.conn
         else:
-            peer = self.peers.get(req.peer)
+            if peer is _LOOKUP:
+                peer = self.peers.get(req.peer)
             target = peer.conn if peer is not None else None
-        spans = req.spans
-        if spans is None:  # listeners only read them; built once for the post and the completion
-            spans = req.spans = ([(la, n) for la, _, n in req.pairs], [(ra, n) for _, ra, n in req.pairs])
-        # FakeFabric.emit, inlined: two events per transfer
-        fields = {"agent": self.name, "pid": self.pid, "conn": self.conn, "peer": req.peer, "target": target,
-                  "op": req.op, "nbytes": req.nbytes, "local": spans[0], "remote": spans[1]}
-        for listener in listeners:
-            listener(kind, fields)
+        for listener in raw:
+            listener(kind, self, req, target)
+        if listeners:
+            spans = req.spans
+            fields = {"agent": self.name, "pid": self.pid, "conn": self.conn, "peer": req.peer, "target": target,
+                      "op": req.op, "nbytes": req.nbytes, "local": list(spans[0]), "remote": list(spans[1])}
+            for listener in listeners:
+                listener(kind, fields)
 
     def _complete(self, req: XferReq, epoch: int) -> None:
         if req.state != PROC or req.epoch != epoch or self.destroyed:
             return
-        problem = self._access_error(req)
+        loopback = req.peer == self.name
+        peer = None if loopback else self.peers.get(req.peer)
+        problem = self._access_error(req, peer)
         if problem is not None:
             req.state, req.error = ERR, problem[0]
             return
@@ -382,19 +426,19 @@ class XferMixin:
         # Like UCX, the request's state only changes when its owner checks it (a repost before that is
         # REPOST_ACTIVE even if the bytes have arrived); the target's notification does not wait for that check.
         req.finished = True
-        if req.peer == self.name:
+        if loopback:
             self.wired_to_self = True
-        elif req.peer in self.peers:
-            self.peers[req.peer].wired = True
-        self._emit_xfer("xfer.done", req)
+        elif peer is not None:
+            peer.wired = True
+        self._emit_xfer("xfer.done", req, peer)
         if req.notif:
-            target = self if req.peer == self.name else self._target(self.peers[req.peer])
+            target = self if loopback else self._target(self.peers[req.peer])
             if target is not None:
                 self._send_notif(target, req.peer, req.notif)
 
     def getXferStatus(self, handle: int) -> S.nixl_status_t:
         self._enter()
-        req = self._req(handle, "getXferStatus")
+        req = self.xfers.get(handle) or self._req(handle, "getXferStatus")
         if req.released:
             if self.fabric.profile.released_handle_use == "crash":
                 return S.nixl_status_t.NIXL_SUCCESS  # 1.5.1 reads the freed request: a stale DONE (row 22)
@@ -424,7 +468,7 @@ class XferMixin:
 
     def releaseXferReq(self, handle: int) -> None:
         self._enter()
-        req = self._req(handle, "releaseXferReq")
+        req = self.xfers.get(handle) or self._req(handle, "releaseXferReq")
         if req.state == PROC:
             req.state = CANCELED  # UCX cancels the outstanding operations; a completion that comes later is dropped
         req.released = True

@@ -75,7 +75,7 @@ class NixlReadCommunicator(EplbCommunicator):
         self._remote_ready = False
         self._layer_idx: int | None = None
         self._old_indices: list[int] = []
-        self._src_rows: dict[int, dict[int, int]] = {}
+        self._sources: dict[int, tuple[dict[int, int], list[tuple[int, int, int]]]] = {}  # see _source
 
     def _tensors(self) -> list[Any]:
         """Every tensor the communicator registers: each layer's expert weights, then ``expert_buffer``."""
@@ -139,19 +139,23 @@ class NixlReadCommunicator(EplbCommunicator):
             self._init_remote_state()
         assert not self._xfer_handles, "set_transfer_context with transfers still pending"
         self._old_indices = old_indices.tolist() if hasattr(old_indices, "tolist") else list(old_indices)
-        self._src_rows = {}  # built per source rank on its first READ: a layer READs from a few ranks, not all
+        self._sources = {}  # built per source rank on its first READ: a layer READs from a few ranks, not all
         self._layer_idx = int(layer_idx)
 
-    def _src_row(self, src_rank: int, expert_id: int) -> int | None:
-        """The first row of ``src_rank`` that held ``expert_id`` before this layer's move (-1 rows are empty)."""
-        rows = self._src_rows.get(src_rank)
-        if rows is None:
-            rows = self._src_rows[src_rank] = {}
+    def _source(self, src_rank: int) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
+        """What this layer READs from ``src_rank``: the first row that held each expert before the move (-1 rows
+        are empty), and each weight tensor's (base address, bytes per expert, device) there."""
+        found = self._sources.get(src_rank)
+        if found is None:
+            rows: dict[int, int] = {}
             n = self._num_local_experts
             for row, expert in enumerate(self._old_indices[src_rank * n:(src_rank + 1) * n]):
                 if int(expert) != -1:
                     rows.setdefault(int(expert), row)
-        return rows.get(int(expert_id))
+            meta, layer = self._remote_send_meta.get(src_rank, {}), self._layer_idx
+            tensors = [meta[(layer, t)] for t in range(len(self._expert_weights[layer]))] if meta else []
+            found = self._sources[src_rank] = (rows, tensors)
+        return found
 
     def add_send(self, tensors: Sequence[Any], dst_rank: int, expert_id: int) -> None:
         """Nothing to do: the receiver READs."""
@@ -160,19 +164,20 @@ class NixlReadCommunicator(EplbCommunicator):
         if self._layer_idx is None:
             raise RuntimeError("add_recv before set_transfer_context")
         layer = self._layer_idx
-        row = self._src_row(src_rank, expert_id)
+        rows, metas = self._sources.get(src_rank) or self._source(src_rank)
+        row = rows.get(int(expert_id))
         if row is None:
             raise RuntimeError(f"expert {expert_id} is not on rank {src_rank} in layer {layer}")
         if src_rank == self._rank:
             for t, dst in enumerate(tensors):
                 dst.copy_(self._expert_weights[layer][t][row])
             return
-        agent = self.nixl_wrapper
-        remote_name = self._remote_agents[src_rank]
+        if len(tensors) > len(metas):
+            raise RuntimeError(f"{len(tensors)} recv tensors for layer {layer}, which has {len(metas)} weight tensors")
+        agent, remote_name = self.nixl_wrapper, self._remote_agents[src_rank]
         # One READ per received expert: a descriptor per weight tensor of the layer, all in one request.
         remote_descs = []
-        for t, dst in enumerate(tensors):
-            base, stride, dev = self._remote_send_meta[src_rank][(layer, t)]
+        for t, (dst, (base, stride, dev)) in enumerate(zip(tensors, metas)):
             assert dst.is_contiguous() and dst.nbytes == stride, (
                 f"recv tensor {t} has {dst.nbytes} bytes, one expert has {stride}")
             remote_descs.append((base + row * stride, stride, dev))
@@ -209,10 +214,13 @@ class NixlReadCommunicator(EplbCommunicator):
         xfers, self._made_xfers = self._made_xfers, []
         dlists, self._made_dlists = self._made_dlists, []
         agent = self.nixl_wrapper
-        calls = [(agent.release_xfer_handle, h) for h in xfers] + [(agent.release_dlist_handle, h) for h in dlists]
-        for release, handle in calls:
-            if quiet:
+        if not quiet:
+            for handle in xfers:
+                agent.release_xfer_handle(handle)
+            for handle in dlists:
+                agent.release_dlist_handle(handle)
+            return
+        for release, handles in ((agent.release_xfer_handle, xfers), (agent.release_dlist_handle, dlists)):
+            for handle in handles:
                 with contextlib.suppress(Exception):
                     release(handle)
-            else:
-                release(handle)
