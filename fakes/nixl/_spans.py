@@ -23,10 +23,12 @@ class SpanIndex:
         self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
         # Answers since the last change: EPLB asks about the same few hundred ranges layer after layer.
         self._answers: dict[tuple[Hashable, int, int], Any] = {}
-        # Whole-list answers, keyed by the list as a tuple (hashed in C): a READ's descriptor lists and the spans
-        # its completion checks repeat layer after layer, so each is one lookup instead of one per descriptor.
-        self._list_answers: dict[tuple, tuple] = {}
-        self._uncovered: dict[tuple, Any] = {}
+        # Whole-list answers: a READ's descriptor lists and the spans its completion checks repeat layer after layer,
+        # so each is one lookup (the list as a tuple, hashed in C) instead of one per descriptor.  Keyed by memory
+        # type (or range key), then the list itself: every tuple a key adds stays tracked by Python's collector
+        # until its next pass, and a planned gc.collect() of a DeepSeek-scale run pays for each.
+        self._list_answers: dict[int, dict[tuple, tuple]] = {}
+        self._uncovered: dict[Hashable, dict[tuple, Any]] = {}
 
     def add(self, key: Hashable, start: int, length: int, payload: Any) -> None:
         self._items.append((key, start, start + length, payload))
@@ -103,30 +105,38 @@ class SpanIndex:
         descriptor list looks up every descriptor)."""
         if skip is not None:
             return tuple(self._find((mem, dev), addr, length, skip) for addr, length, dev in triples)
-        query = (mem, triples if type(triples) is tuple else tuple(triples))
-        found = self._list_answers.get(query)
+        if type(triples) is not tuple:
+            triples = tuple(triples)
+        answers = self._list_answers.get(mem)
+        if answers is None:
+            answers = self._list_answers[mem] = {}
+        found = answers.get(triples)
         if found is None:
-            if len(self._list_answers) >= _MAX_LIST_ANSWERS:  # a caller making ever new lists: stay bounded
-                self._list_answers.clear()
-            find = self.find
-            found = self._list_answers[query] = tuple(find((mem, dev), addr, length) for addr, length, dev in query[1])
+            if len(answers) >= _MAX_LIST_ANSWERS:  # a caller making ever new lists: stay bounded
+                answers.clear()
+            find = self._find
+            found = answers[triples] = tuple([find((mem, dev), addr, length, None) for addr, length, dev in triples])
         return found
 
     def first_uncovered(self, key: Hashable, spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
         """The first ``(start, length)`` of ``spans`` that no range under ``key`` covers; None if all are covered."""
-        query = (key, spans if type(spans) is tuple else tuple(spans))
+        if type(spans) is not tuple:
+            spans = tuple(spans)
+        answers = self._uncovered.get(key)
+        if answers is None:
+            answers = self._uncovered[key] = {}
         try:
-            return self._uncovered[query]
+            return answers[spans]
         except KeyError:
             pass
-        if len(self._uncovered) >= _MAX_LIST_ANSWERS:
-            self._uncovered.clear()
+        if len(answers) >= _MAX_LIST_ANSWERS:
+            answers.clear()
         missing = None
-        for start, length in query[1]:
-            if self.find(key, start, length) is None:
+        for start, length in spans:
+            if self._find(key, start, length, None) is None:
                 missing = (start, length)
                 break
-        self._uncovered[query] = missing
+        answers[spans] = missing
         return missing
 
     def _find(self, key: Hashable, start: int, length: int, skip) -> Any:

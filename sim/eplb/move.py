@@ -222,10 +222,14 @@ def stage_local_copies(weights_layer, buffer, plan: LayerPlan, arrays=None) -> N
     _copy_rows(buffer, weights_layer, plan.local_copies, arrays)
 
 
+_ROW_BY_ROW = 8  # up to this many rows, host copies go row by row (measured: 4.6 us against 9.2 us for 4 rows)
+
+
 def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
-    """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows): host tensors in one
-    indexed numpy copy per tensor, device tensors in one non_blocking copy per row.  ``arrays(tensors)``, if given,
-    returns cached numpy views of a list of CPU tensors (None for others), e.g. :meth:`RowViews.arrays`."""
+    """``into[t][dst] = source[t][src]`` for every (dst, src) in ``rows`` (distinct dst rows): host tensors row by
+    row for a few rows, else in one indexed numpy copy per tensor; device tensors in one non_blocking copy per row.
+    ``arrays(tensors)``, if given, returns cached numpy views of a list of CPU tensors (None for others), e.g.
+    :meth:`RowViews.arrays`."""
     if len(into) != len(source):
         raise ValueError(f"{len(into)} tensors to write, {len(source)} to read")
     if not rows:
@@ -238,10 +242,12 @@ def _copy_rows(into, source, rows: list[tuple[int, int]], arrays=None) -> None:
         into_np = source_np = None
     if into_np is not None and source_np is not None:
         # numpy views share the tensors' memory and index at a fraction of the cost
-        if len(rows) == 1:
-            (dst, src), = rows
+        if len(rows) <= _ROW_BY_ROW and not any(a is b for a, b in zip(into_np, source_np)):
+            # A few rows (a layer's move on one rank): one numpy row copy each costs half of building two index
+            # arrays and a gather and a scatter per tensor.  (Distinct arrays: a row read is never one written.)
             for a, b in zip(into_np, source_np):
-                a[dst] = b[src]
+                for dst, src in rows:
+                    a[dst] = b[src]
             return
         dst_i = np.array([d for d, _ in rows], dtype=np.intp)
         src_i = np.array([s for _, s in rows], dtype=np.intp)

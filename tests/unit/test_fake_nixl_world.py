@@ -275,6 +275,30 @@ def test_kill_process_spares_other_processes():
     assert bool((w.u == PATTERN).all())
 
 
+# -- listeners ------------------------------------------------------------------------------------------------
+def test_listener_channels_see_the_same_transfer():
+    """``listeners`` get every event as fields; ``event_listeners`` every event but a transfer's post and completion;
+    ``xfer_listeners`` those two as (kind, agent core, request, target connection), with the same facts."""
+    f = FakeFabric()
+    every, lifecycle, raw = [], [], []
+    f.listeners.append(lambda kind, fields: every.append((kind, dict(fields))))
+    f.event_listeners.append(lambda kind, fields: lifecycle.append(kind))
+    f.xfer_listeners.append(lambda kind, core, req, target: raw.append(
+        (kind, core.name, core.pid, core.conn, req.peer, target, req.op, req.nbytes, req.spans)))
+    w = Pair(f)
+    assert w.read_to_done() == "DONE"
+    assert [k for k, _ in every if not k.startswith("xfer.")] == lifecycle
+    assert "xfer.post" not in lifecycle and "register" in lifecycle
+    xfers = [(k, f) for k, f in every if k.startswith("xfer.")]
+    assert [k for k, _ in xfers] == [r[0] for r in raw] == ["xfer.post", "xfer.done"]
+    for (kind, fields), (_, agent, pid, conn, peer, target, op, nbytes, (local, remote)) in zip(xfers, raw):
+        assert (fields["agent"], fields["pid"], fields["conn"], fields["peer"], fields["target"], fields["op"],
+                fields["nbytes"]) == (agent, pid, conn, peer, target, op, nbytes)
+        assert fields["local"] == list(local) == [(w.u.data_ptr(), N)]
+        assert fields["remote"] == list(remote) == [(w.t.data_ptr(), N)]
+        assert target == w.a.agent.conn and conn == w.b.agent.conn
+
+
 # -- freed memory -----------------------------------------------------------------------------------------
 def test_free_makes_a_peers_later_read_fail():
     f = FakeFabric()
