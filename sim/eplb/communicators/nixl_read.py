@@ -75,7 +75,9 @@ class NixlReadCommunicator(EplbCommunicator):
         self._remote_ready = False
         self._layer_idx: int | None = None
         self._old_indices: list[int] = []
-        self._sources: dict[int, tuple[dict[int, int], list[tuple[int, int, int]]]] = {}  # see _source
+        self._meta_flat: dict[int, tuple[tuple[int, int, int], ...]] = {}  # see _peer_meta
+        self._meta_keys: list[tuple[int, int]] = []  # (layer, tensor), in order
+        self._layer_slices: list[slice] = []  # each layer's entries in _meta_keys
 
     def _tensors(self) -> list[Any]:
         """Every tensor the communicator registers: each layer's expert weights, then ``expert_buffer``."""
@@ -120,6 +122,12 @@ class NixlReadCommunicator(EplbCommunicator):
             # This rank's own copy from the collective (and tuples, as sent): kept as it is.
             per_rank[r] = meta
         self._remote_send_meta = per_rank
+        self._meta_keys = list(mine)
+        self._layer_slices, start = [], 0
+        for tensors in self._expert_weights:
+            self._layer_slices.append(slice(start, start + len(tensors)))
+            start += len(tensors)
+        self._meta_flat = {}
         self._remote_ready = True
 
     def _send_meta(self) -> dict[tuple[int, int], tuple[int, int, int]]:
@@ -139,22 +147,27 @@ class NixlReadCommunicator(EplbCommunicator):
             self._init_remote_state()
         assert not self._xfer_handles, "set_transfer_context with transfers still pending"
         self._old_indices = old_indices.tolist() if hasattr(old_indices, "tolist") else list(old_indices)
-        self._sources = {}  # built per source rank on its first READ: a layer READs from a few ranks, not all
         self._layer_idx = int(layer_idx)
 
-    def _source(self, src_rank: int) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
-        """What this layer READs from ``src_rank``: the first row that held each expert before the move (-1 rows
-        are empty), and each weight tensor's (base address, bytes per expert, device) there."""
-        found = self._sources.get(src_rank)
+    def _src_row(self, src_rank: int, expert_id: int) -> int | None:
+        """The first row of ``src_rank`` that held ``expert_id`` before this layer's move (None: no row did)."""
+        expert_id, n = int(expert_id), self._num_local_experts
+        if expert_id < 0 or not 0 <= src_rank < self._world:  # -1 marks an empty row, not an expert
+            return None
+        lo = src_rank * n
+        try:
+            return self._old_indices.index(expert_id, lo, lo + n) - lo  # one C-level scan of the rank's rows
+        except ValueError:
+            return None
+
+    def _peer_meta(self, src_rank: int) -> tuple[tuple[int, int, int], ...]:
+        """``src_rank``'s (base address, bytes per expert, device) of every weight tensor, in this rank's (layer,
+        tensor) order (:attr:`_layer_slices` cuts out a layer's): one flat tuple per peer, made on the first READ
+        from it and serving every later one (one object, not a list per layer, for the collector to traverse)."""
+        found = self._meta_flat.get(src_rank)
         if found is None:
-            rows: dict[int, int] = {}
-            n = self._num_local_experts
-            for row, expert in enumerate(self._old_indices[src_rank * n:(src_rank + 1) * n]):
-                if int(expert) != -1:
-                    rows.setdefault(int(expert), row)
-            meta, layer = self._remote_send_meta.get(src_rank, {}), self._layer_idx
-            tensors = [meta[(layer, t)] for t in range(len(self._expert_weights[layer]))] if meta else []
-            found = self._sources[src_rank] = (rows, tensors)
+            meta = self._remote_send_meta[src_rank]
+            found = self._meta_flat[src_rank] = tuple([meta[key] for key in self._meta_keys])
         return found
 
     def add_send(self, tensors: Sequence[Any], dst_rank: int, expert_id: int) -> None:
@@ -164,14 +177,14 @@ class NixlReadCommunicator(EplbCommunicator):
         if self._layer_idx is None:
             raise RuntimeError("add_recv before set_transfer_context")
         layer = self._layer_idx
-        rows, metas = self._sources.get(src_rank) or self._source(src_rank)
-        row = rows.get(int(expert_id))
+        row = self._src_row(src_rank, expert_id)
         if row is None:
             raise RuntimeError(f"expert {expert_id} is not on rank {src_rank} in layer {layer}")
         if src_rank == self._rank:
             for t, dst in enumerate(tensors):
                 dst.copy_(self._expert_weights[layer][t][row])
             return
+        metas = self._peer_meta(src_rank)[self._layer_slices[layer]]
         if len(tensors) > len(metas):
             raise RuntimeError(f"{len(tensors)} recv tensors for layer {layer}, which has {len(metas)} weight tensors")
         agent, remote_name = self.nixl_wrapper, self._remote_agents[src_rank]
