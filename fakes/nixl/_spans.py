@@ -106,7 +106,7 @@ class SpanIndex:
         if skip is not None:
             return tuple(self._find((mem, dev), addr, length, skip) for addr, length, dev in triples)
         if type(triples) is not tuple:
-            triples = tuple(triples)
+            triples = tuple([(addr, length, dev) for addr, length, dev in triples])
         answers = self._list_answers.get(mem)
         if answers is None:
             answers = self._list_answers[mem] = {}
@@ -120,8 +120,8 @@ class SpanIndex:
 
     def first_uncovered(self, key: Hashable, spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
         """The first ``(start, length)`` of ``spans`` that no range under ``key`` covers; None if all are covered."""
-        if type(spans) is not tuple:
-            spans = tuple(spans)
+        if type(spans) is not tuple:  # e.g. a real rank's ledger, read back from JSON as lists
+            spans = tuple([(start, length) for start, length in spans])
         answers = self._uncovered.get(key)
         if answers is None:
             answers = self._uncovered[key] = {}

@@ -65,3 +65,12 @@ def test_a_list_answer_is_forgotten_when_a_range_goes():
     index.remove("a")
     assert index.find_each(0, triples) == (None, None)
     assert index.first_uncovered((0, 0), ((110, 10), (120, 10))) == (110, 10)
+
+
+def test_lists_of_lists_are_answered_too():
+    """A real rank's ledger comes back from JSON with its spans as lists: answered as the tuples would be."""
+    index = SpanIndex()
+    index.add((0, 0), 100, 50, "a")
+    assert index.first_uncovered((0, 0), [[110, 10], [140, 20]]) == (140, 20)
+    assert index.first_uncovered((0, 0), [[110, 10]]) is None
+    assert index.find_each(0, [[110, 10, 0], [140, 20, 0]]) == ("a", None)
