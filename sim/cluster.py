@@ -91,9 +91,7 @@ class Cluster(Engine):
         if kind == "xfer.done":
             local, remote = req.spans
             self.oracles.transfer_moved(core.name, core.pid, req.op, req.nbytes, core.conn, local, target, remote)
-        # The same record fabric_record makes of the event's fields.
-        self.kernel.history.add(_XFER_KINDS[kind], {"agent": core.name, "pid": core.pid, "peer": req.peer,
-                                                    "op": req.op, "nbytes": req.nbytes})
+        self.kernel.history.add(_XFER_KINDS[kind], xfer_fields(core.name, core.pid, req.peer, req.op, req.nbytes))
 
     def _deep_ep(self):
         """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""
@@ -251,9 +249,13 @@ def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any
 
 
 def xfer_record(fields: dict[str, Any]) -> dict[str, Any]:
-    """The history fields of a transfer's post or completion."""
-    return {"agent": fields["agent"], "pid": fields["pid"], "peer": fields["peer"], "op": fields["op"],
-            "nbytes": fields["nbytes"]}
+    """The history fields of a transfer's post or completion, from its event's fields."""
+    return xfer_fields(fields["agent"], fields["pid"], fields["peer"], fields["op"], fields["nbytes"])
+
+
+def xfer_fields(agent: str, pid: int, peer: str, op: str, nbytes: int) -> dict[str, Any]:
+    """The history fields of a transfer's post or completion (the simulator reads them off the fake's request)."""
+    return {"agent": agent, "pid": pid, "peer": peer, "op": op, "nbytes": nbytes}
 
 
 def _frozen(mapping) -> Any:

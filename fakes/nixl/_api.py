@@ -196,8 +196,8 @@ class nixl_agent:
         if agent_name in ("NIXL_INIT_AGENT", ""):
             agent_name = nixlBind.NIXL_INIT_AGENT
         if type(xfer_list) is nixlBind.nixlXferDList:  # what get_xfer_descs gave: every EPLB READ, twice
-            return nixl_prepped_dlist_handle(self.agent, self.agent.prepXferDlist(
-                agent_name, xfer_list, self._handles(backends) if backends else []))
+            return nixl_prepped_dlist_handle(self.agent,
+                                             self.agent.prepXferDlist(agent_name, xfer_list, self._handles(backends)))
         if isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
@@ -219,8 +219,7 @@ class nixl_agent:
                           backends: list[str] = [], skip_desc_merge: bool = False) -> nixl_xfer_handle:  # noqa: B006
         op = self.nixl_ops[operation]
         handle = self.agent.makeXferReq(op, local_xfer_side._handle, local_indices, remote_xfer_side._handle,
-                                        remote_indices, notif_msg, self._handles(backends) if backends else [],
-                                        skip_desc_merge)
+                                        remote_indices, notif_msg, self._handles(backends), skip_desc_merge)
         return nixl_xfer_handle(self.agent, handle)
 
     def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,

@@ -53,13 +53,12 @@ class XferReq:
     fail_after: Any = None
     finished: bool = False  # the bytes have moved; the state reads DONE once a check has seen it
     due: float = 0.0  # when the bytes will have moved (inf: never)
-    nbytes: int = -1  # the sum of the lengths (the descriptors never change after the request is made)
-    owner: Any = None  # the simulated thread that made it (inside the simulator)
-    _spans: tuple | None = None
+    nbytes: int = field(init=False, default=0)
+    owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
+    _spans: tuple | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.nbytes < 0:
-            self.nbytes = sum([p[2] for p in self.pairs])
+        self.nbytes = sum([p[2] for p in self.pairs])  # the descriptors never change after the request is made
 
     @property
     def spans(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
@@ -85,12 +84,9 @@ class nixlXferTelemetry:
     descCount: int = 0
 
 
-_HANDLE_BASE = 0x7F00_0000_0000
-
-
 def _handle_value(fabric) -> int:
     # Real handles are heap pointers; the fake's look alike but are deterministic.
-    return _HANDLE_BASE + next(fabric._ids) * 0x40
+    return 0x7F00_0000_0000 + next(fabric._ids) * 0x40
 
 
 _INT_MIN, _INT_MAX = -2**31, 2**31 - 1  # pybind casts the indices to C++ ints
@@ -104,6 +100,8 @@ def _in_order(n: int) -> list[int]:
     if found is None:
         found = _IN_ORDER[n] = list(range(n))
     return found
+
+
 _INT_TYPE = frozenset({int})
 
 
@@ -183,7 +181,7 @@ class XferMixin:
         for region in regions:
             if region is None:
                 self._no_registration("prepXferDlist")
-        handle = _HANDLE_BASE + next(self.fabric._ids) * 0x40  # _handle_value, inlined
+        handle = _handle_value(self.fabric)
         self.dlists[handle] = PreppedDlist(handle, side, None if side == "local" else agent_name,
                                            peer.generation if peer else None, mem, triples, regions)
         return handle
@@ -218,7 +216,6 @@ class XferMixin:
                 k = next(k for k, (l, r) in enumerate(zip(lt, rt)) if l[1] != r[1])
                 S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
             lregs, rregs = local.regions, remote.regions  # tuples, shared: never changed
-            nbytes = sum([p[2] for p in pairs])
         else:
             if min(li) < 0 or max(li) >= len(lt) or min(ri) < 0 or max(ri) >= len(rt):
                 for values, given in ((li, local_idx), (ri, remote_idx)):
@@ -234,9 +231,8 @@ class XferMixin:
                 pairs.append((la, ra, ln))
                 lregs.append(local_regions[i])
                 rregs.append(remote_regions[j])
-            nbytes = -1
         peer = remote.peer if remote.side == "remote" else self.name
-        return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif, nbytes)
+        return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
 
     def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
                       notif: bytes | str = b"", backends: list | None = None) -> int:
@@ -260,13 +256,12 @@ class XferMixin:
         pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt)]
         return self._new_req(op, remote_agent, peer.generation if peer else None, pairs, lregs, rregs, notif)
 
-    def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif,
-                 nbytes: int = -1) -> int:
+    def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:
         fabric = self.fabric
         handle = _handle_value(fabric)
         msg = notif if type(notif) is bytes else notif.encode() if isinstance(notif, str) else bytes(notif)
         req = self.xfers[handle] = XferReq(handle, _OPS.get(op) or _OPS[int(op)], peer, generation, pairs, lregs,
-                                           rregs, msg, nbytes=nbytes)
+                                           rregs, msg)
         thread_of = fabric.thread_of
         if thread_of is not None:
             owner = req.owner = thread_of()
@@ -284,10 +279,13 @@ class XferMixin:
             S.fail(S.NOT_FOUND, f"{call}: unknown transfer request handle")
         return req
 
-    def _stale(self, req: XferReq) -> bool:
+    def _stale(self, req: XferReq, peer: Any = _LOOKUP) -> bool:
+        """``req`` was made against a peer entry that has since been removed (or removed and added again);
+        ``peer``: the entry of ``req.peer`` if the caller has it."""
         if req.generation is None:  # loopback
             return False
-        peer = self.peers.get(req.peer)
+        if peer is _LOOKUP:
+            peer = self.peers.get(req.peer)
         return peer is None or peer.generation != req.generation
 
     def _released_use(self, what: str) -> None:
@@ -305,10 +303,10 @@ class XferMixin:
         else:
             if peer is _LOOKUP:
                 peer = self.peers.get(req.peer)
-            target = None if peer is None or peer.failed else fabric.live_agent(peer.conn)  # _target, inlined
+            target = self._target(peer) if peer is not None else None
             if target is None:
                 return S.REMOTE_DISCONNECT, f"remote agent '{req.peer}' is disconnected"
-        freed = bool(fabric._freed)  # has_freed(), inlined
+        freed = fabric.has_freed()
         must_be_live = profile.unregistered_access == "fail"
         if not freed and not profile.detect_recycled:  # what every transfer of a healthy run takes: no memory freed
             if not must_be_live:
@@ -346,7 +344,7 @@ class XferMixin:
         if req.state == PROC:
             S.fail(S.REPOST_ACTIVE, "postXferReq: transfer request is still in progress and cannot be reposted")
         peer = self.peers.get(req.peer)  # None for loopback (an agent is never its own peer)
-        if req.generation is not None and (peer is None or peer.generation != req.generation):  # _stale, inlined
+        if self._stale(req, peer):
             S.fail(S.NOT_FOUND, f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
                                 "transfer request creation; not posting stale handle")
         if notif:
