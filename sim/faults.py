@@ -176,7 +176,10 @@ class FaultPlan:
         while self._nixl_pending and self._nixl_pending[0].at_step <= step and not self.healing:
             a = self._nixl_pending.pop(0)
             kwargs = {k: v for k, v in a.params.items() if k not in COMMON}
-            board = self.fabric.faults.arm(a.site.removeprefix("nixl."), times=a.times, **kwargs)
+            # rank N: only the agents of rank process N trip it (the one initiating a transfer or a notification,
+            # or registering memory)
+            pid = int(a.params["rank"]) if "rank" in a.params else None
+            board = self.fabric.faults.arm(a.site.removeprefix("nixl."), times=a.times, pid=pid, **kwargs)
             self._nixl_live.append((a, board))
             self.history.record("fault.arm", site=a.site)
 

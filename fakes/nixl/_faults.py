@@ -1,9 +1,11 @@
 """Fault hooks of the fake NIXL: armed as data, fired by the fake at its call sites, counted.
 
-A fault is a *site* (where in the fake it acts) with a filter (which agent initiates, which peer is targeted) and
-parameters.  The simulator arms them from a scenario; a unit test arms them directly::
+A fault is a *site* (where in the fake it acts) with a filter (which agent initiates, in which process, which peer
+is targeted) and parameters.  The simulator arms them from a scenario (a fault's ``rank`` becomes ``pid``: only
+that process's agents trip it); a unit test arms them directly::
 
     fabric.faults.arm("xfer.stuck", agent="eplb-1")
+    fabric.faults.arm("xfer.late", pid=3, delay=0.5)
     fabric.faults.arm("xfer.fail_after", polls=3, error="REMOTE_DISCONNECT")
 
 Every firing is appended to ``fabric.faults.fired`` as ``(site, agent, peer, now)``, so a run can say which armed
@@ -22,7 +24,7 @@ SITES: dict[str, str] = {
     "xfer.late": "the transfer completes `delay` later than it would (ticks outside the simulator, seconds inside)",
     "notif.drop": "a notification (standalone or carried by a transfer) never arrives",
     "notif.delay": "a notification arrives `delay` later",
-    "peer.disconnect": "the first `after_posts` posts (default 0) to `peer` succeed; the next one fails the endpoint",
+    "peer.disconnect": "the first `after_posts` posts (default 0) to a peer succeed; the next one fails the endpoint",
 }
 
 # The parameters each site reads; anything else is a typo and refused.
@@ -45,21 +47,24 @@ STATUS_BY_NAME = {
 @dataclass
 class ArmedFault:
     site: str
-    agent: str | None = None
-    peer: str | None = None
+    agent: str | None = None  # only calls by the agent of this name
+    peer: str | None = None  # only transfers and notifications towards this peer
     times: int | None = None  # how often it may fire; None: every time it matches
     params: dict[str, Any] = field(default_factory=dict)
     fired: int = 0
     first_fired_at: float | None = None  # fabric time of its first firing
     seen: int = 0  # matches so far, for "at the Nth" parameters
+    pid: int | None = None  # only calls by agents of this process (the simulator's ``rank=``)
 
-    def matches(self, site: str, agent: str | None, peer: str | None) -> bool:
+    def matches(self, site: str, agent: str | None, peer: str | None, pid: int | None = None) -> bool:
         if site != self.site or (self.times is not None and self.fired >= self.times):
             return False
-        return (self.agent is None or self.agent == agent) and (self.peer is None or self.peer == peer)
+        return ((self.agent is None or self.agent == agent) and (self.peer is None or self.peer == peer)
+                and (self.pid is None or self.pid == pid))
 
     def __repr__(self) -> str:
-        who = ", ".join(f"{k}={v!r}" for k, v in (("agent", self.agent), ("peer", self.peer)) if v is not None)
+        who = ", ".join(f"{k}={v!r}" for k, v in (("agent", self.agent), ("pid", self.pid), ("peer", self.peer))
+                        if v is not None)
         extra = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
         return f"<ArmedFault {self.site}({', '.join(x for x in (who, extra) if x)}) fired={self.fired}>"
 
@@ -71,7 +76,7 @@ class FaultBoard:
         self.fired: list[tuple[str, str | None, str | None, float]] = []
 
     def arm(self, site: str, *, agent: str | None = None, peer: str | None = None, times: int | None = None,
-            **params: Any) -> ArmedFault:
+            pid: int | None = None, **params: Any) -> ArmedFault:
         if site not in SITES:
             raise LookupError(f"fault site {site!r} not found; known: {', '.join(SITES)}")
         unknown = sorted(set(params) - PARAMS[site])
@@ -81,7 +86,7 @@ class FaultBoard:
         error = params.get("error")
         if error is not None and error not in STATUS_BY_NAME:
             raise ValueError(f"fault error {error!r} is not a NIXL status; use one of {', '.join(STATUS_BY_NAME)}")
-        fault = ArmedFault(site, agent, peer, times, dict(params))
+        fault = ArmedFault(site, agent, peer, times, dict(params), pid=pid)
         self.armed.append(fault)
         return fault
 
@@ -89,16 +94,17 @@ class FaultBoard:
         """The healing phase of a run: nothing fires any more, what already fired stays recorded."""
         self.armed.clear()
 
-    def take(self, site: str, agent: str | None, peer: str | None = None, *, nth: str | None = None
-             ) -> ArmedFault | None:
-        """The first armed fault matching this call site, marked as fired; None if none applies.
+    def take(self, site: str, agent: str | None, peer: str | None = None, *, pid: int | None = None,
+             nth: str | None = None) -> ArmedFault | None:
+        """The first armed fault matching this call site (``agent``, of process ``pid``, towards ``peer``), marked
+        as fired; None if none applies.
 
         With ``nth="after_posts"`` the fault fires only once it has matched ``params[nth]`` times before.
         """
         if not self.armed:  # the common case: every transfer asks three or four times
             return None
         for fault in self.armed:
-            if not fault.matches(site, agent, peer):
+            if not fault.matches(site, agent, peer, pid):
                 continue
             if nth is not None:
                 fault.seen += 1

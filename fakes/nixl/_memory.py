@@ -171,7 +171,7 @@ class MemoryMixin:
         if mem == S.nixl_mem_t.VRAM_SEG and not profile.vram_ok:
             S.fail(S.BACKEND, f"nixlUcxContext {self.name}: VRAM memory is detected as host by UCX. UCX is likely "
                               "not configured with CUDA/ROCm support. VRAM registration cannot proceed.")
-        fault = self.fabric.faults.take("register.fail", self.name)
+        fault = self.fabric.faults.take("register.fail", self.name, pid=self.pid)
         if fault is not None:
             S.fail(STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
                    "registerMem: registration failed for the specified or all potential backends "

@@ -125,10 +125,10 @@ class PeersMixin:
     def _send_notif(self, target, peer_name: str, msg: bytes | str) -> None:
         data = msg.encode() if isinstance(msg, str) else bytes(msg)
         faults = self.fabric.faults
-        if faults.take("notif.drop", self.name, peer_name) is not None:
+        if faults.take("notif.drop", self.name, peer_name, pid=self.pid) is not None:
             return
         delay = self.fabric.notif_delay()
-        late = faults.take("notif.delay", self.name, peer_name)
+        late = faults.take("notif.delay", self.name, peer_name, pid=self.pid)
         if late is not None:
             delay += float(late.params.get("delay", 1.0))
         sender = self.name

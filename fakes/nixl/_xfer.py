@@ -352,7 +352,7 @@ class XferMixin:
         faults = self.fabric.faults
         armed = bool(faults.armed)  # the common case: nothing to ask the fault board (four sites per post)
         if armed and peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
-                                                                          nth="after_posts"):
+                                                                          pid=self.pid, nth="after_posts"):
             self._fail_endpoint(peer, "injected fault peer.disconnect")
         problem = self._access_error(req, peer)
         if problem is not None:
@@ -364,14 +364,14 @@ class XferMixin:
             req.state, req.error = ERR, code
             S.fail(code, f"postXferReq: {why}")
         req.state, req.polls, req.epoch, req.finished = PROC, 0, req.epoch + 1, False
-        req.fail_after = faults.take("xfer.fail_after", self.name, req.peer) if armed else None
+        req.fail_after = faults.take("xfer.fail_after", self.name, req.peer, pid=self.pid) if armed else None
         wired = self.wired_to_self if req.peer == self.name else (peer is not None and peer.wired)
         delay = self.fabric.xfer_duration(req.nbytes, req.op, wired)
         if armed:
-            if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer) is not None:
+            if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer, pid=self.pid) is not None:
                 delay = float("inf")  # a failing transfer never completes: it raises at its Nth check
             else:
-                late = faults.take("xfer.late", self.name, req.peer)
+                late = faults.take("xfer.late", self.name, req.peer, pid=self.pid)
                 if late is not None:
                     delay += float(late.params.get("delay", 1.0))
         self._emit_xfer("xfer.post", req, peer)

@@ -342,3 +342,18 @@ def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_comm
     # Periodic rebalances at steps 125 and 625 (EP2) and 1520, 2020, 2520 (EP4) overlap serving; the reshuffle
     # after the scale-up's commit and the last one at step 3000 drain first.
     assert (overlapped, drained) == (5, 2)
+
+
+@pytest.mark.parametrize("rank", [None, 1, 3])
+def test_a_nixl_fault_for_one_rank_fires_only_in_that_rank_s_agents(rank) -> None:
+    """``rank=N`` on a nixl.* site: only transfers that rank process N initiates are late; without it, every rank's."""
+    from sim.cluster import Cluster
+    from sim.faults import parse
+
+    spec = "nixl.xfer.late:delay=0.5" + ("" if rank is None else f",rank={rank}")
+    c = Cluster(load("scale-up"), seed=0, strategy="shared-agent", profile="dram", faults=[parse(spec)])
+    c.run()
+    pid_of = {f["agent"]: f["pid"] for _, kind, f in c.kernel.history.records if kind == "nixl.agent.create"}
+    fired = {pid_of[agent] for site, agent, _, _ in c.fabric.faults.fired}
+    c.kernel.close()
+    assert fired == ({0, 1, 2, 3} if rank is None else {rank})

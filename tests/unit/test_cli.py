@@ -207,9 +207,13 @@ def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
     assert done.returncode == 2 and "xfer_latency_s: Input should be a finite number" in done.stderr
 
 
-def test_a_rank_fault_may_name_a_rank_a_later_scale_up_starts() -> None:
-    """Rank processes are numbered as they start and never reused: elastic-cycle's second scale-up starts 4 and 5."""
-    done = epsim_here("run", "elastic-cycle", "--fault", "nixl.register.fail:rank=5", "--json")
-    assert done.returncode in (0, 1) and json.loads(done.stdout)["faults_fired"] == {"nixl.register.fail:rank=5": 2}
+def test_a_rank_fault_may_name_a_rank_a_later_scale_up_starts(tmp_path) -> None:
+    """Rank processes are numbered as they start and never reused: elastic-cycle's second scale-up starts 4 and 5,
+    and the fault fails rank 5's registration only."""
+    done = epsim_here("run", "elastic-cycle", "--fault", "nixl.register.fail:rank=5", "--json", "--out", str(tmp_path))
+    assert done.returncode in (0, 1) and json.loads(done.stdout)["faults_fired"] == {"nixl.register.fail:rank=5": 1}
+    records = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    crashes = [(r["pid"], r["error"]) for r in records if r["kind"] == "thread.crash"]
+    assert crashes == [(5, "nixlBackendError: NIXL_ERR_BACKEND")]
     done = epsim_here("run", "elastic-cycle", "--fault", "nixl.register.fail:rank=6")
     assert done.returncode == 2 and "the scenario starts rank processes 0..5" in done.stderr

@@ -114,6 +114,23 @@ def test_arm_returns_the_armed_fault_with_its_filter_and_params():
     assert "xfer.late" in repr(fault) and "delay=4" in repr(fault)
 
 
+def test_a_fault_armed_for_one_process_trips_only_that_process_s_agents():
+    """``pid=`` (the simulator's ``rank=``): agents of other processes register as if nothing were armed."""
+    f = FakeFabric()
+    other = f.spawn_process("other")
+    with use_fabric(f):
+        with f.process(other):
+            b = _api.nixl_agent("B")
+        a = _api.nixl_agent("A")
+    fault = f.faults.arm("register.fail", pid=other)
+    assert "pid=1" in repr(fault)
+    a.register_memory(torch.zeros(8, dtype=torch.uint8))  # process 0: untouched
+    assert fault.fired == 0
+    with pytest.raises(_bindings.nixlBackendError):
+        b.register_memory(torch.zeros(8, dtype=torch.uint8))
+    assert fault.fired == 1 and [(site, agent) for site, agent, _, _ in f.faults.fired] == [("register.fail", "B")]
+
+
 # -- register.fail -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("error, exc", [(None, _bindings.nixlBackendError),
                                         ("NOT_ALLOWED", _bindings.nixlNotAllowedError),
