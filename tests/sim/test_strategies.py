@@ -350,6 +350,22 @@ def test_e_module_factory_loads_the_broken_strategy() -> None:
     assert factory.__module__.startswith("tests.strategies.broken_shared_agent#epsim")
 
 
+def test_e_a_factory_exported_from_a_package_loads_its_defining_module_afresh(tmp_path, monkeypatch) -> None:
+    """``mypkg:create`` with ``from .impl import create`` in the package's ``__init__`` (found by review: the fresh
+    instance of an ``__init__`` could not import relatively).  Each load gets its own ``mypkg.impl``, whose
+    module-level registry is the process-wide state a strategy keeps."""
+    pkg = tmp_path / "exported_strategy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .impl import create\n")
+    (pkg / "impl.py").write_text("REGISTRY = {}\n\n\ndef create(group, w, b, prev=None):\n    return REGISTRY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first, second = plugins.load("exported_strategy:create"), plugins.load("exported_strategy:create")
+    assert first.__module__.startswith("exported_strategy.impl#epsim")
+    assert first(None, None, None) is not second(None, None, None)  # two processes, two registries
+    with pytest.raises(UnknownStrategy, match="'json' has no callable 'create'"):
+        plugins.load("json:create")  # a package whose __init__ imports relatively: found, and said plainly
+
+
 def test_e_two_loads_have_independent_module_state() -> None:
     first, second = plugins.load("arena-registry"), plugins.load("arena-registry")
     assert first.__globals__["_ARENA_AGENTS"] is not second.__globals__["_ARENA_AGENTS"]

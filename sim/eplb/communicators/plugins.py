@@ -61,9 +61,11 @@ def load(name: str, fresh: bool = True) -> Callable:
         if spec.origin is None or not spec.has_location:
             raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
         unique = f"{module_name}{FRESH_MARK}{next(_instances)}"
-        spec = importlib.util.spec_from_file_location(unique, spec.origin)
+        package = spec.submodule_search_locations  # not None: the factory lives in a package's __init__
+        spec = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package)
         module = importlib.util.module_from_spec(spec)
-        module.__package__ = module_name.rpartition(".")[0]  # relative imports resolve in the real package
+        # Relative imports resolve in the real package: the module's parent, or the package itself for an __init__.
+        module.__package__ = module_name if package is not None else module_name.rpartition(".")[0]
         sys.modules[unique] = module  # dataclasses and pickling look classes' modules up here
         try:
             spec.loader.exec_module(module)
@@ -76,6 +78,14 @@ def load(name: str, fresh: bool = True) -> Callable:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UnknownStrategy(f"strategy {name!r}: {module_name!r} has no callable {factory_name!r}")
+    home = getattr(factory, "__module__", None)
+    if fresh and isinstance(home, str) and FRESH_MARK not in home and home != module_name:
+        # Re-exported (``from .impl import create`` in a package's __init__): the module that defines it holds its
+        # module-level state (a process-wide agent registry), so that is the one each process needs afresh.
+        try:
+            return load(f"{home}:{factory.__name__}", fresh=True)
+        except UnknownStrategy:
+            pass  # defined where no source can be loaded afresh (an extension module): use it as found
     _check_signature(name, factory)
     return factory
 
