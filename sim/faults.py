@@ -51,7 +51,10 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
 }
 COMMON = frozenset({"rank", "times", "at_step"})
 
-SITES: dict[str, str] = {**{f"nixl.{k}": v for k, v in NIXL_SITES.items()},
+# What a NIXL site does in a simulated run beyond what the fake says of it.
+_NIXL_NOTES = {"notif.drop": "; no built-in strategy sends notifications, so it fires only for your own",
+               "notif.delay": "; no built-in strategy sends notifications, so it fires only for your own"}
+SITES: dict[str, str] = {**{f"nixl.{k}": v + _NIXL_NOTES.get(k, "") for k, v in NIXL_SITES.items()},
                          **{k: v for k, (v, _) in GC_SITES.items()},
                          **{k: v for k, (v, _) in WORKER_SITES.items()}}
 

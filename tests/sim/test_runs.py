@@ -357,3 +357,10 @@ def test_a_nixl_fault_for_one_rank_fires_only_in_that_rank_s_agents(rank) -> Non
     fired = {pid_of[agent] for site, agent, _, _ in c.fabric.faults.fired}
     c.kernel.close()
     assert fired == ({0, 1, 2, 3} if rank is None else {rank})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
+    """What `epsim faults` and docs/sweeps.md say of the notif sites: armed, they never fire with the built-ins."""
+    r = run("elastic-cycle", strategy=strategy, faults=["nixl.notif.drop", "nixl.notif.delay:delay=0.5"])
+    assert r.faults_fired == {"nixl.notif.drop": 0, "nixl.notif.delay:delay=0.5": 0}
