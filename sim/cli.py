@@ -438,7 +438,7 @@ def report(
 
 @app.command()
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="smaller workloads (about two minutes instead of ten)"),
+    quick: bool = typer.Option(False, "--quick", help="smaller workloads (about two minutes instead of seven)"),
     only: list[str] = typer.Option([], "--only", help="measure only this figure (repeatable)"),
     device: str = typer.Option("cpu", help="real_transfers on cpu (host memory) or cuda (VRAM, two GPUs if there)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object with a key per figure"),

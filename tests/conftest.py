@@ -65,9 +65,14 @@ def _cuda_reason() -> str | None:
     return None
 
 
+SLOW = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow") + os.sep
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     reason = None
     for item in items:
+        if str(item.path).startswith(SLOW):  # the folder is the marker: `-m "not slow"` leaves slow/ out
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords:
             reason = reason or _cuda_reason() or ""
             if reason:

@@ -57,12 +57,14 @@ def test_a_wrong_combine_is_an_all2all_safety_violation(monkeypatch):
 
 
 def test_forward_reference_matches_a_hand_computed_token():
-    from sim.all2all import expert, reference
+    """Expert e maps x to x * (e + 1) + e.  Token 0 (ones): 0.5 * (1) + 0.25 * (3 + 2) = 1.75; token 1 (twos): its
+    second slot is unused (-1), whatever its weight, so 1.0 * (2 * 2 + 1) = 5."""
+    from sim.all2all import reference
 
-    x = torch.ones(1, 4)
-    idx = torch.tensor([[0, 2]])
-    w = torch.tensor([[0.5, 0.25]])
-    torch.testing.assert_close(reference(x, idx, w), 0.5 * expert(0, x) + 0.25 * expert(2, x))
+    x = torch.tensor([[1.0] * 4, [2.0] * 4])
+    idx = torch.tensor([[0, 2], [1, -1]])
+    w = torch.tensor([[0.5, 0.25], [1.0, 9.0]])
+    torch.testing.assert_close(reference(x, idx, w), torch.tensor([[1.75] * 4, [5.0] * 4]))
 
 
 def test_bad_all2all_settings_are_one_line_errors():
