@@ -269,7 +269,8 @@ def faults(as_json: bool = typer.Option(False, "--json", help="print one JSON ob
     for r in rows:
         typer.echo(f"{r['site']:22} {r['description']}  [{', '.join(r['params'])}]")
     typer.echo("\nEvery site takes rank=N (only rank process N: calls by its agents for nixl.*, what it drops for "
-               "gc.*, that rank for the others), times=K (at most K firings) and at_step=S (from forward step S).")
+               "gc.*, that rank for the others), times=K (at most K firings) and at_step=S (from forward step S). "
+               f"The gc.* sites also take what=TEXT: only drops whose name contains it ({', '.join(catalogue.DROPS)}).")
 
 
 @app.command()

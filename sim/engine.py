@@ -63,6 +63,7 @@ class Engine:
             self.spawn_worker(groups[r], r, self.placement)
         self.members = list(range(sc.ranks))
         self._set_members(rdv)
+        self.faults.at_step(self.step)  # a fault armed from the start is there for the first registrations too
         if not self._all("start"):
             return
         events = list(sc.timeline)
@@ -105,6 +106,8 @@ class Engine:
             chunk = steps
             if drift:
                 chunk = min(chunk, drift - self.step % drift)
+            # A NIXL fault is armed at its step, also while an elastic event serves in short chunks.
+            chunk = min(chunk, self.faults.next_step(self.step) - self.step)
             epoch = self.step // drift if drift else 0
             probs = self._probs(epoch)
             loads = self._route(chunk, probs)
@@ -114,6 +117,7 @@ class Engine:
                 return False
             self.step += chunk
             steps -= chunk
+            self.faults.at_step(self.step)  # faults due at this step apply to what comes next (a commit, PREPARE)
         return True
 
     def _route(self, steps: int, probs: np.ndarray) -> list[np.ndarray]:

@@ -50,6 +50,9 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
                              frozenset({"delay_s"})),
 }
 COMMON = frozenset({"rank", "times", "at_step"})
+# Every drop a worker hands to the GC controller, by name; a GC fault's ``what`` must be part of one of them.
+DROPS = ("old communicator", "aborted communicator", "prepared", "aborted", "communicator at exit",
+         "old all2all buffer", "all2all buffer at exit")
 
 # What a NIXL site does in a simulated run beyond what the fake says of it.
 _NIXL_NOTES = {"notif.drop": "; no built-in strategy sends notifications, so it fires only for your own",
@@ -108,6 +111,10 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
         if isinstance(value, bool) or not number or not math.isfinite(value) or value < least:
             what = "a whole number" if kind is int else "a number of seconds" if key == "delay_s" else "a number"
             raise ScenarioError(f"fault {site}: {key}={value!r} must be {what} >= {least}")
+    what = params.get("what")
+    if what is not None and not any(str(what) in drop for drop in DROPS):
+        raise ScenarioError(f"fault {site}: what={what!r} is part of no drop's name, so it would never fire; drops "
+                            f"are: {', '.join(DROPS)}")
     error = params.get("error")
     if error is not None and error not in NIXL_STATUS:
         raise ScenarioError(f"fault {site}: error={error!r} is not a NIXL status; use one of {', '.join(NIXL_STATUS)}")
@@ -152,6 +159,9 @@ def check_fits(armed: list[Armed], scenario, option: str = "--fault") -> None:
                                 f"processes 0..{processes - 1} (a scale-up's new ranks take new numbers)")
         if a.site.startswith("all2all.") and scenario.all2all.backend == "none":
             raise ScenarioError(f"{option} {a}: the scenario has no all2all buffers (set all2all.backend)")
+        if a.site == "all2all.parity_skew" and scenario.all2all.backend != "deepep_low_latency":
+            raise ScenarioError(f"{option} {a}: only low-latency buffers have a double-buffer parity (set "
+                                "all2all.backend=deepep_low_latency)")
 
 
 def arm(specs, extra=()) -> list[Armed]:
@@ -159,7 +169,14 @@ def arm(specs, extra=()) -> list[Armed]:
     the command line, or ``Armed``), every one validated."""
     armed = [validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
                                **({"times": f.times} if f.times else {})}) for f in specs]
-    return armed + [f if isinstance(f, Armed) else parse(f) for f in extra]
+    armed += [f if isinstance(f, Armed) else parse(f) for f in extra]
+    seen: set[str] = set()
+    for a in armed:
+        if str(a) in seen:  # its firings would be counted together under one name in faults_fired
+            raise ScenarioError(f"fault {a} is armed twice (counting the scenario's own faults); arm it "
+                                "once, with times=N for N firings")
+        seen.add(str(a))
+    return armed
 
 
 class FaultPlan:

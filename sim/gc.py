@@ -23,6 +23,8 @@ import gc as _gc
 from collections import defaultdict
 from typing import Any
 
+from .faults import DROPS
+
 
 class GcController:
     def __init__(self, cluster) -> None:
@@ -35,6 +37,8 @@ class GcController:
     def drop(self, pid: int, obj: Any, what: str) -> None:
         """``obj`` just lost its owner's reference (the caller deletes its own name right after)."""
         faults = self.cluster.faults
+        if what not in DROPS:  # a GC fault's what= is checked against these names before the run
+            raise ValueError(f"drop {what!r} is not in sim.faults.DROPS")
         fault = faults.take_gc(pid, what)
         how = fault.site if fault is not None else "refcount"
         self.kernel.history.record("gc.drop", pid=pid, what=what, how=how)

@@ -93,6 +93,7 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
         plugins.load(s)  # a missing strategy is one line now, not two thousand failed runs
     armed = [fault_catalogue.parse(f) for f in faults]
     fault_catalogue.check_fits(armed, sc)
+    fault_catalogue.arm(sc.faults, armed)  # with the scenario's own: none armed twice
     faults = tuple(str(a) for a in armed)  # checked, and written one way
     if len(seeds) * len(strategies) * len(profiles) > MAX_RUNS:
         raise ScenarioError(f"{len(seeds)} seeds x {len(strategies)} strategies x {len(profiles)} profiles: one sweep "
@@ -107,7 +108,8 @@ def armed_faults(spec: RunSpec, sc) -> list[fault_catalogue.Armed]:
     if spec.swarm:
         from . import swarm
 
-        armed = swarm.draw(sc, spec.seed) + armed
+        given = {str(a) for a in armed} | {str(a) for a in fault_catalogue.arm(sc.faults)}
+        armed = [a for a in swarm.draw(sc, spec.seed) if str(a) not in given] + armed  # a draw the run arms anyway
     return armed
 
 

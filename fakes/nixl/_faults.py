@@ -24,7 +24,8 @@ SITES: dict[str, str] = {
     "xfer.late": "the transfer completes `delay` later than it would (ticks outside the simulator, seconds inside)",
     "notif.drop": "a notification (standalone or carried by a transfer) never arrives",
     "notif.delay": "a notification arrives `delay` later",
-    "peer.disconnect": "the first `after_posts` posts (default 0) to a peer succeed; the next one fails the endpoint",
+    "peer.disconnect": "the first `after_posts` posts (default 0) from an agent to a peer succeed; the next one fails "
+                       "that endpoint",
 }
 
 # The parameters each site reads; anything else is a typo and refused.
@@ -53,7 +54,7 @@ class ArmedFault:
     params: dict[str, Any] = field(default_factory=dict)
     fired: int = 0
     first_fired_at: float | None = None  # fabric time of its first firing
-    seen: int = 0  # matches so far, for "at the Nth" parameters
+    seen: dict = field(default_factory=dict)  # (agent, peer) -> matches so far, for "at the Nth" parameters
     pid: int | None = None  # only calls by agents of this process (the simulator's ``rank=``)
 
     def matches(self, site: str, agent: str | None, peer: str | None, pid: int | None = None) -> bool:
@@ -99,7 +100,8 @@ class FaultBoard:
         """The first armed fault matching this call site (``agent``, of process ``pid``, towards ``peer``), marked
         as fired; None if none applies.
 
-        With ``nth="after_posts"`` the fault fires only once it has matched ``params[nth]`` times before.
+        With ``nth="after_posts"`` the fault fires only once it has matched ``params[nth]`` times before for this
+        (agent, peer) pair: an endpoint is one pair's, so each pair counts its own posts.
         """
         if not self.armed:  # the common case: every transfer asks three or four times
             return None
@@ -107,8 +109,8 @@ class FaultBoard:
             if not fault.matches(site, agent, peer, pid):
                 continue
             if nth is not None:
-                fault.seen += 1
-                if fault.seen <= int(fault.params.get(nth, 0)):
+                seen = fault.seen[agent, peer] = fault.seen.get((agent, peer), 0) + 1
+                if seen <= int(fault.params.get(nth, 0)):
                     continue
             fault.fired += 1
             now = self._now()

@@ -364,3 +364,23 @@ def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
     """What `epsim faults` and docs/sweeps.md say of the notif sites: armed, they never fire with the built-ins."""
     r = run("elastic-cycle", strategy=strategy, faults=["nixl.notif.drop", "nixl.notif.delay:delay=0.5"])
     assert r.faults_fired == {"nixl.notif.drop": 0, "nixl.notif.delay:delay=0.5": 0}
+
+
+@pytest.mark.parametrize("fault, strategy, verdict, fired", [
+    ("gc.late:at_step=1010", "per-communicator-agent", "pass", 2),  # the old communicators dropped at the commit
+    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 52),  # the reshuffle's READs
+    ("storage.move:at_step=1010", "shared-agent", "crash", 2),  # the buffer moved under PREPARE's new communicator
+])
+def test_a_fault_due_while_an_elastic_event_serves_applies_to_the_event(fault, strategy, verdict, fired) -> None:
+    """scale-up starts PREPARE at step 1000 and serves in short chunks until it commits at step 1020; a fault due at
+    step 1010 applies from there on (found by review: it waited for the event to end, and never fired)."""
+    r = run("scale-up", strategy=strategy, faults=[fault])
+    assert (r.verdict, r.faults_fired) == (verdict, {fault: fired})
+
+
+def test_a_nixl_fault_armed_from_the_start_meets_the_first_registrations() -> None:
+    """Without at_step a fault is armed before the ranks start, so their first registration can fail (found by
+    review: it was armed right after it)."""
+    r = run("steady", strategy="per-communicator-agent", faults=["nixl.register.fail"])
+    assert (r.verdict, r.faults_fired) == ("crash", {"nixl.register.fail": 2})
+    assert r.detail.endswith("nixlBackendError: NIXL_ERR_BACKEND")

@@ -207,6 +207,24 @@ def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
     assert done.returncode == 2 and "xfer_latency_s: Input should be a finite number" in done.stderr
 
 
+@pytest.mark.parametrize("args, line", [
+    (("--fault", "gc.late:times=1", "--fault", "gc.late:times=1"),
+     "fault gc.late:times=1 is armed twice (counting the scenario's own faults); arm it once, with times=N for N "
+     "firings"),
+    (("--fault", "gc.late:what=communicators"),
+     "fault gc.late: what='communicators' is part of no drop's name, so it would never fire; drops are: old "
+     "communicator, aborted communicator, prepared, aborted, communicator at exit, old all2all buffer, all2all "
+     "buffer at exit"),
+    (("--set", "all2all.backend=deepep_high_throughput", "--fault", "all2all.parity_skew"),
+     "--fault all2all.parity_skew: only low-latency buffers have a double-buffer parity (set "
+     "all2all.backend=deepep_low_latency)"),
+])
+def test_a_fault_that_could_not_fire_as_written_is_one_line(args, line) -> None:
+    """Found by review: each ran, and said nothing (two identical faults were counted as one)."""
+    done = epsim_here("run", "scale-up", *args)
+    assert (done.returncode, done.stderr) == (2, f"epsim: error: {line}\n")
+
+
 def test_a_rank_fault_may_name_a_rank_a_later_scale_up_starts(tmp_path) -> None:
     """Rank processes are numbered as they start and never reused: elastic-cycle's second scale-up starts 4 and 5,
     and the fault fails rank 5's registration only."""

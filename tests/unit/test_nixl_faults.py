@@ -388,13 +388,27 @@ def test_peer_disconnect_after_n_posts(after_posts):
     assert w.fabric.faults.fired[0][:3] == ("peer.disconnect", "B", "A")
 
 
+def test_peer_disconnect_counts_posts_per_peer_when_armed_for_any():
+    """Armed without a peer (as ``--fault nixl.peer.disconnect:after_posts=1`` is), each endpoint counts its own
+    posts: B's first post to C does not use up A's."""
+    w = world(extra=("C",)).wire()
+    fault = w.fabric.faults.arm("peer.disconnect", agent="B", after_posts=1)
+    to_c = w.b.initialize_xfer("WRITE", w.b.get_xfer_descs(w.u), w.b.get_xfer_descs(w.bufs["C"]), "C")
+    h = w.write()
+    assert w.b.transfer(to_c) == "DONE" and w.b.transfer(h) == "DONE"  # the first post to each
+    assert fault.fired == 0 and fault.seen == {("B", "C"): 1, ("B", "A"): 1}
+    with pytest.raises(_bindings.nixlRemoteDisconnectError):
+        w.b.transfer(h)  # the second to A
+    assert [(site, agent, peer) for site, agent, peer, _ in w.fabric.faults.fired] == [("peer.disconnect", "B", "A")]
+
+
 def test_peer_disconnect_counts_only_posts_to_its_peer():
     w = world(extra=("C",)).wire()
     fault = w.fabric.faults.arm("peer.disconnect", peer="A", after_posts=1)
     to_c = w.b.initialize_xfer("WRITE", w.b.get_xfer_descs(w.u), w.b.get_xfer_descs(w.bufs["C"]), "C")
     for _ in range(4):
         assert w.b.transfer(to_c) == "DONE"
-    assert fault.seen == 0
+    assert fault.seen == {}
     h = w.write()
     assert w.b.transfer(h) == "DONE"
     with pytest.raises(_bindings.nixlRemoteDisconnectError):
