@@ -253,6 +253,14 @@ class RealCluster(Engine):
                 return False
             self._pump(0.01)
 
+    def prepare_limit_s(self) -> float:
+        return self.timeout_s
+
+    def prepare_never_finished(self, handles: dict[int, Handle], limit: float) -> None:
+        late = [p for p, h in handles.items() if not h.value.is_set()]
+        self.stuck.append(f"PREPARE: not finished within {limit:g} s while the group served; waiting for pids {late}")
+        self.record("engine.stuck", what="PREPARE", pids=late)
+
     def fail_rank(self, pid: int) -> None:
         w = self.workers[pid]
         w.proc.kill()

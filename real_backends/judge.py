@@ -19,8 +19,8 @@ from sim.cluster import fabric_record
 from sim.oracles import Oracles, Problem
 from sim.trace import History
 
-LEDGER = frozenset({"agent.create", "agent.destroy", "register", "deregister", "peer.load", "peer.remove",
-                    "xfer.post", "xfer.done", "agent.threads"})
+LEDGER = frozenset({"agent.create", "agent.destroy", "register", "deregister", "deregister.refused", "peer.load",
+                    "peer.remove", "xfer.post", "xfer.done", "agent.threads"})
 # A collective that fails because a member died is what the simulation calls a collective timeout: gloo notices
 # the closed connection at once instead of waiting out the timeout.
 COLLECTIVE_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Gloo",

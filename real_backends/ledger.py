@@ -99,11 +99,16 @@ class LedgerAgent:
 
     def deregister_memory(self, dereg_list: Any, backends: Any = ()) -> None:
         descs = self._as_reg(dereg_list, None)
-        if backends:
-            self._inner.deregister_memory(descs, list(backends))
-        else:
-            self._inner.deregister_memory(descs)
         spans = _spans(descs)
+        try:
+            if backends:
+                self._inner.deregister_memory(descs, list(backends))
+            else:
+                self._inner.deregister_memory(descs)
+        except Exception:
+            # NIXL refused it (nothing of it registered): the judge tells a second release of one range from others
+            self._emit("deregister.refused", conn=self.conn, agent=self._name, pid=self._pid, ranges=spans)
+            raise
         self._registered = [(d, m) for d, m in self._registered if _spans(d) != spans]
         self._emit("deregister", conn=self.conn, agent=self._name, pid=self._pid, ranges=spans)
 

@@ -141,9 +141,13 @@ class Cluster(Engine):
         w.start()
         return w
 
+    def _command_limit_s(self) -> float:
+        """Simulated seconds a command may take: two collective timeouts and a minute."""
+        return self.scenario.collective_timeout_s * 2 + 60
+
     def _join(self, pending: dict[int, Any], what: str) -> bool:
         """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise."""
-        limit = self.scenario.collective_timeout_s * 2 + 60
+        limit = self._command_limit_s()
         ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
         if not ok:
             late = [p for p, ev in pending.items() if not ev.triggered]
@@ -170,14 +174,22 @@ class Cluster(Engine):
     def prepared(self, handles: dict[int, Any]) -> bool:
         return all(ev.value.triggered for ev in handles.values())
 
+    def prepare_limit_s(self) -> float:
+        return self._command_limit_s()
+
+    def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:
+        desc = "; ".join(self._describe(p) for p, ev in handles.items() if not ev.value.triggered)
+        self.oracles.stuck(f"PREPARE did not finish within {limit:g} s while the group served: {desc}")
+        self.kernel.halt()
+
     def fail_rank(self, pid: int) -> None:
-        self.kernel.kill_process(pid)
-        self.fabric.kill_process(pid)
+        self.end_process(pid)
         self.workers[pid].alive = False
 
     def end_process(self, pid: int) -> None:
         self.kernel.kill_process(pid)
         self.fabric.kill_process(pid)
+        self.gc.process_gone(pid)
 
     def before_rebalance(self) -> None:
         self._cache.clear()  # every earlier move has finished (drained): its plans are garbage

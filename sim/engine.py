@@ -203,14 +203,22 @@ class Engine:
                     for p in old_members if p in new_members}
         if not self._join({**joined, **prepared}, "PREPARE"):
             return False
-        # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator.
+        # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator, as
+        # long as a command may take: a PREPARE that never returns is a liveness failure, not an endless run.
+        start, limit = self.now(), self.prepare_limit_s()
         while not self.prepared(prepared):
+            if self.now() - start > limit:
+                self.prepare_never_finished(prepared, limit)
+                return False
             if not self.serve(PREPARE_POLL_STEPS):
                 return False
         if event.kind == "abort":
             if not self._all("abort", [p for p in old_members if p in new_members]):
                 return False
-            return self._retire([w.pid for w in fresh], rdv)
+            ok = self._retire([w.pid for w in fresh], rdv)
+            if ok:  # an abort completes the reconfiguration too: the ranks that were to join are gone
+                self.reconfigured(self.members)
+            return ok
         if size > len(old_members):  # scale-up: commit, then reshuffle on the new group
             if not self._all("commit", [p for p in old_members]):
                 return False
@@ -265,6 +273,15 @@ class Engine:
 
     def prepared(self, handles: dict[int, Any]) -> bool:
         """Whether every PREPARE posted (pid -> handle of the prepare command) has built its communicator."""
+        raise NotImplementedError
+
+    def prepare_limit_s(self) -> float:
+        """How long serving waits for PREPARE before the run is a liveness failure (the engine's clock)."""
+        raise NotImplementedError
+
+    def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:
+        """Record the liveness failure of a PREPARE still running after ``limit`` (pid -> handle, as for
+        :meth:`prepared`)."""
         raise NotImplementedError
 
     def fail_rank(self, pid: int) -> None:

@@ -32,6 +32,7 @@ class GcController:
         self.kernel = cluster.kernel
         self._cycles: dict[int, list[list]] = defaultdict(list)  # pid -> self-referencing cells, in drop order
         self._immortal: list[tuple[int, str, Any]] = []
+        self._gone: list[Any] = []  # what processes that ended left behind: never finalized inside the run
         self._collected_at: float | None = None  # simulated time of the last real gc.collect()
 
     def drop(self, pid: int, obj: Any, what: str) -> None:
@@ -78,6 +79,14 @@ class GcController:
         if pid is None or self._collected_at != now:
             self._collected_at = now
             _gc.collect()
+
+    def process_gone(self, pid: int) -> None:
+        """Process ``pid`` exited or was killed: what a GC fault still holds for it (a cycle awaiting a collection,
+        an object awaiting interpreter shutdown) went with the process, so its finalizer never runs inside the run
+        (it would act for a process that no longer exists).  Kept referenced until the run's world is dropped."""
+        self._gone.extend(self._cycles.pop(pid, ()))
+        self._gone.extend(entry for entry in self._immortal if entry[0] == pid)
+        self._immortal = [entry for entry in self._immortal if entry[0] != pid]
 
     def shutdown(self) -> list[tuple[int, str, Any]]:
         """What is left for interpreter shutdown (gc.never); the caller finalizes it with the fakes torn down."""

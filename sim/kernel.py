@@ -268,6 +268,13 @@ class Kernel:
 
         def unraisable(info) -> None:
             where = getattr(info.object, "__qualname__", None) or repr(info.object)
+            # Kept without tracebacks: a traceback's frames hold the finalizer's locals (self, its agent), which
+            # Python's own hook lets go once it has printed them; keeping them here made a leak of a clean exit.
+            exc, seen = info.exc_value, set()
+            while exc is not None and id(exc) not in seen:
+                seen.add(id(exc))
+                exc.__traceback__ = None
+                exc = exc.__cause__ or exc.__context__
             kernel.unraisable.append((str(where), info.exc_value))
             kernel.history.record("finalizer.error", where=str(where),
                                   error=f"{type(info.exc_value).__name__}: {info.exc_value}")

@@ -64,6 +64,7 @@ class Oracles:
         self.destroyed: set[str] = set()
         self.peers: dict[str, dict[str, str]] = defaultdict(dict)  # conn -> {peer name: peer conn}
         self._shared_use: set[str] = set()  # agents already reported as used by two threads at once
+        self.released: dict[str, set[tuple[int, int]]] = defaultdict(set)  # conn -> (addr, len) it deregistered
         self.problems: list[Problem] = []
         self.metrics: dict[str, Any] = {"registrations": 0, "duplicate_registrations": 0,
                                         "max_live_agents_per_process": 0, "agents_created": 0,
@@ -98,10 +99,17 @@ class Oracles:
                 index.add(0, lo, n, (lo, n))
             self.metrics["registrations"] += len(f["ranges"])
         elif kind == "deregister":
-            index = self.live.get(conn)
+            index, released = self.live.get(conn), self.released[conn]
             for r in f["ranges"]:
                 if index is not None:
                     index.remove(tuple(r))
+                released.add(tuple(r))
+        elif kind == "deregister.refused":
+            again = [tuple(r) for r in f["ranges"] if tuple(r) in self.released.get(conn, ())]
+            if again:  # NIXL refused it, so no harm came of it here; the owner of the range is confused
+                self._problem("safety", "released_twice",  # (no address: details are part of the history)
+                              f"agent {f['agent']} (pid {f['pid']}) deregistered a range of {again[0][1]} B again "
+                              "after releasing it: every registration is released exactly once")
         elif kind == "peer.load":
             self.peers[conn][f["peer"]] = f["peer_conn"]
         elif kind == "peer.remove":

@@ -222,6 +222,9 @@ class MemoryMixin:
                     break
             else:
                 self.loopback_hidden.extend(matched)
+                # Observers learn of the refused range (a second deregistration is how a double release shows).
+                self.fabric.emit("deregister.refused", agent=self.name, pid=self.pid, conn=self.conn,
+                                 ranges=[(addr, length)])
                 if not any(r.mem == mem for r in self.regions):
                     S.fail(S.NOT_FOUND, f"deregisterMem: no available backends for mem type "
                                         f"'{S.nixl_mem_t(mem).name}'")

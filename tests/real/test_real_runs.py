@@ -91,3 +91,13 @@ def test_fake_only_faults_and_profiles_are_refused_in_one_line():
     if not torch.cuda.is_available():
         done = epsim("run", "steady", "--backend", "real", "--device", "cuda")
         assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+def test_a_second_deregistration_is_released_twice_on_real_nixl_as_in_the_simulation():
+    """Real NIXL 1.5.1 refuses the second deregistration of a range as the fake does; the rank's ledger reports the
+    refusal, and the judge finds the same ledger violation."""
+    sim, real = both("steady", "--strategy", "tests.strategies.oracle_mutants:deregisters_twice")
+    for r in (sim, real):
+        assert (r["verdict"], r["invariant"]) == ("safety", "released_twice"), r["detail"]
+        assert r["detail"].endswith("deregistered a range of 80 B again after releasing it: every registration is "
+                                    "released exactly once")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fakes.nixl import FakeFabric, TimeModel, _api, use_fabric
@@ -78,3 +79,73 @@ def test_the_oracle_turns_the_first_racing_call_per_agent_into_a_safety_verdict(
                       "transfer request(s) on it")
     assert len(c.oracles.problems) == 1
     c.kernel.close()
+
+
+# -- strategies that break one rule each (tests/strategies/oracle_mutants.py; found missing by a mutation review) --
+MUTANTS = "tests.strategies.oracle_mutants"
+
+
+def _run(scenario: str, strategy: str, **overrides):
+    from sim.run import run_scenario
+    from sim.scenario import load, with_overrides
+
+    sc = load(scenario)
+    return run_scenario(with_overrides(sc, **overrides) if overrides else sc, strategy=f"{MUTANTS}:{strategy}")
+
+
+def test_a_prepare_that_never_returns_is_a_liveness_failure_not_an_endless_run() -> None:
+    r = _run("scale-up", "never_prepares")
+    assert (r.verdict, r.invariant) == ("liveness", "stuck")
+    assert r.detail == ("PREPARE did not finish within 660 s while the group served: pid 0: worker@0 blocked on "
+                        "waiting for the engine, elastic-prepare@0 blocked on time.sleep; pid 1: worker@1 blocked on "
+                        "waiting for the engine, elastic-prepare@1 blocked on time.sleep")
+
+
+def test_a_second_deregistration_of_a_released_range_breaks_the_ledger() -> None:
+    """NIXL refuses it (NOT_FOUND, swallowed here), so nothing is harmed, but the range's owner is confused."""
+    r = _run("steady", "deregisters_twice")
+    assert (r.verdict, r.invariant) == ("safety", "released_twice")
+    assert r.detail.endswith("deregistered a range of 80 B again after releasing it: every registration is "
+                             "released exactly once")
+
+
+def test_an_exception_after_a_complete_cleanup_is_no_leak() -> None:
+    """The exception is recorded without its traceback, whose frames held the finalizer's agent alive (a false
+    leak before)."""
+    from sim.cluster import Cluster
+    from sim.scenario import load
+
+    c = Cluster(load("scale-up"), seed=0, strategy=f"{MUTANTS}:raises_after_cleanup", profile="dram")
+    c.run()
+    errors = [f["error"] for _, kind, f in c.kernel.history.records if kind == "finalizer.error"]
+    verdict = c.oracles.verdict()
+    c.kernel.close()
+    assert verdict == ("pass", None, None)
+    assert errors and set(errors) == {"RuntimeError: noise after a complete cleanup"}
+
+
+def test_stale_peers_are_judged_when_an_abort_completes() -> None:
+    """Peers loaded at PREPARE (eagerly) and never removed: the abort's ranks are gone once it completes."""
+    r = _run("abort", "loads_peers_eagerly", timeline=[{"at_step": 800, "kind": "abort", "to": 4}])
+    assert (r.verdict, r.invariant) == ("safety", "stale_peer")
+    assert r.detail.endswith("of departed pid 2 loaded after the reconfiguration to pids 0-1")
+
+
+@pytest.mark.parametrize("fault", ["gc.cycle:rank=2", "gc.never:rank=2"])
+def test_what_a_gc_fault_holds_for_a_process_that_left_is_never_finalized_in_the_run(fault) -> None:
+    """Rank 2 leaves on scale-down with its old communicator held by the fault: its finalizer would act for a
+    process that no longer exists (a deregistration refused on its vanished agent, at the last collection)."""
+    from sim.cluster import Cluster
+    from sim.faults import parse
+    from sim.scenario import load
+
+    c = Cluster(load("scale-down"), seed=0, strategy="per-communicator-agent", profile="dram",
+                faults=[parse(fault)])
+    c.run()
+    records = list(c.kernel.history.records)
+    c.kernel.close()
+    gone = max(i for i, (_, kind, f) in enumerate(records) if kind == "process.kill" and f["pid"] == 2)
+    assert [kind for _, kind, f in records[gone + 1:] if f.get("pid") == 2] == ["nixl.agent.destroy",
+                                                                                "nixl.process.kill"]
+    assert not any(kind in ("nixl.deregister.refused", "interpreter.shutdown") for _, kind, _ in records)
+    assert c.oracles.verdict() == ("pass", None, None)
