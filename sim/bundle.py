@@ -25,6 +25,7 @@ from . import __version__
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
 from .errors import EpsimError, validation_line
+from .outputs import RUN_FILES
 
 FORMAT = 1
 
@@ -138,12 +139,19 @@ def write(spec, row: dict[str, Any], bundles_dir: Path) -> Path:
 
 def _free(path: Path) -> Path:
     """``path``, or ``path-2``, ``path-3``... whichever does not exist yet: a bundle an earlier sweep left under the
-    same name is what that sweep's database points at, so it is never replaced."""
+    same name is what that sweep's database points at, so it is never replaced.  A folder a killed sweep left
+    half-written (bundle files but no failure.json, which is written last) is nobody's: it is written again."""
     candidate, n = path, 1
-    while candidate.exists():
+    while candidate.exists() and not _half_written(candidate):
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     return candidate
+
+
+def _half_written(path: Path) -> bool:
+    if not path.is_dir() or (path / "failure.json").exists():
+        return False
+    return {p.name for p in path.iterdir()} <= {"scenario.yaml", *RUN_FILES}
 
 
 def load(path: str | Path) -> Bundle:
@@ -171,7 +179,9 @@ def load(path: str | Path) -> Bundle:
     return b
 
 
-CORPUS_FILES = ("failure.json", "scenario.yaml", "tape.json")  # what replaying needs (history and trace are big)
+# What replaying needs (failure.json and scenario.yaml; the seed alone decides the run) and the run's tape of
+# recorded decisions, kept for reading; the history and the trace are big and a replay writes them again.
+CORPUS_FILES = ("failure.json", "scenario.yaml", "tape.json")
 
 
 def save_to_corpus(path: str | Path, corpus: str | Path) -> Path:

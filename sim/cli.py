@@ -301,8 +301,12 @@ def sweep(
     eng = engines.make(engine, workers, timeout, ray_address)
     writable_file(db, "--db")
     bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
-    if bundles is not None:  # the default sits next to --db, which the results database checks itself
+    # Checked before any run, the default next to --db too (made only when a failure needs it): a failure found
+    # later must have somewhere to go.
+    if bundles is not None:
         writable_dir(bundles, "--bundles")
+    else:
+        writable_dir(bundles_dir, "the bundles folder next to --db", make=False)
     eng.start()  # a Ray cluster that cannot be joined is refused before the database is made
     command = "epsim sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
@@ -415,8 +419,8 @@ def report(
     from . import resultsdb
     from .errors import BackendUnavailable
 
-    folder = Path(plots) if plots is not None else Path(db).with_name(Path(db).stem + "-report")
-    with resultsdb.open_existing(db) as database:
+    with resultsdb.open_existing(db) as database:  # first: a path that is no database is one line
+        folder = Path(plots) if plots is not None else Path(db).with_name(Path(db).stem + "-report")
         if not no_plots:  # before the summary's work: a bad folder is one line
             writable_dir(plots if plots is not None else folder, "--plots" if plots is not None else
                          "the default --plots", files=report_mod.PLOTS)

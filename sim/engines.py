@@ -31,6 +31,7 @@ def _worker_main(conn) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     atexit.register(_quiet_fakes)  # what leaked runs' finalizers log at exit is in their histories
+    from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before any run's clock starts
     while True:
         try:
             spec = conn.recv()
@@ -38,11 +39,19 @@ def _worker_main(conn) -> None:
             return  # the parent is gone
         if spec is None:
             return
+        try:
+            conn.send(BEGIN)  # the run's --timeout counts from here
+        except (BrokenPipeError, OSError):
+            return
         row = execute(spec)
         try:
             conn.send(row)
         except (BrokenPipeError, OSError):
             return  # the parent died while this run went on
+
+
+BEGIN = "begin"  # what a worker says when a run starts (its imports done), before the run's row
+START_LIMIT_S = 300.0  # a worker that has not begun a run this long after getting it is taken for dead
 
 
 class _Worker:
@@ -52,11 +61,19 @@ class _Worker:
         self.proc.start()
         child.close()
         self.spec: RunSpec | None = None
-        self.started = 0.0
+        self.started = 0.0  # when the run was handed over, then when the worker began it
+        self.begun = False
 
     def give(self, spec: RunSpec) -> None:
-        self.spec, self.started = spec, time.monotonic()
+        self.spec, self.started, self.begun = spec, time.monotonic(), False
         self.conn.send(spec)
+
+    def deadline(self, timeout: float | None) -> float:
+        """When this worker's run is out of time: ``timeout`` after it began, or the start-up limit until then (a
+        fresh worker imports the simulator first, seconds that are not the run's)."""
+        if not self.begun:
+            return self.started + START_LIMIT_S
+        return self.started + timeout if timeout is not None else float("inf")
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -91,31 +108,37 @@ class LocalEngine:
 
     def _collect(self, pool: list[_Worker], queue: deque) -> Iterator[dict[str, Any]]:
         busy = [w for w in pool if w.spec is not None]
-        wait_s = None
-        if self.timeout is not None:
-            now = time.monotonic()
-            wait_s = max(0.0, min(w.started + self.timeout - now for w in busy))
+        now = time.monotonic()
+        first = min(w.deadline(self.timeout) for w in busy)
+        wait_s = None if first == float("inf") else max(0.0, first - now)
         ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s))
         for i, w in enumerate(pool):
             if w.spec is None:
                 continue
-            spec, elapsed = w.spec, time.monotonic() - w.started
             row = None
             if w.conn in ready:
                 try:
                     row = w.conn.recv()
                 except (EOFError, OSError):
                     row = None
+                if row == BEGIN:
+                    w.started, w.begun, row = time.monotonic(), True, None
+                    continue
                 if row is None:  # the pipe closed under us: the process died mid-run
                     w.proc.join(5)
-                    row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), elapsed)
+                    row = failed_row(w.spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
                     pool[i] = w = self._replace(w)
             elif w.proc.sentinel in ready:
                 w.proc.join(5)
-                row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), elapsed)
+                row = failed_row(w.spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
                 pool[i] = w = self._replace(w)
-            elif self.timeout is not None and elapsed >= self.timeout:
-                row = failed_row(spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
+            elif time.monotonic() >= w.deadline(self.timeout):
+                elapsed = time.monotonic() - w.started
+                if w.begun:
+                    row = failed_row(w.spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
+                else:
+                    row = failed_row(w.spec, "worker_crash", f"worker process did not begin the run within "
+                                                             f"{START_LIMIT_S:g} s", elapsed)
                 pool[i] = w = self._replace(w)
             if row is None:
                 continue

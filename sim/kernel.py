@@ -141,6 +141,9 @@ class Kernel:
                 else:
                     event._defused = True  # delivered into the thread: it decides what the failure means
                     request = glet.throw(event._value)
+            except KeyboardInterrupt:  # Ctrl-C reached epsim's own process while this thread ran: not a finding
+                self._current = None
+                raise
             except BaseException as exc:  # noqa: BLE001 - the thread died with it: that is a finding
                 self._current = None
                 self._thread_failed(th, exc)

@@ -116,6 +116,8 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
     b = bundle_mod.load(path)
     c = b.config
     want = b.expected["signature"]
+    if want is None:  # a bundle of a run that passed: shrinking would keep whatever still passes
+        raise NotReproduced(f"{b.path}: its run passed (no failure signature), so there is no failure to shrink")
     seed, strategy, profile = c["seed"], c["strategy"], c["profile"]
     cur = Candidate(b.scenario(), list(c["faults"]), "")
     result = ShrinkResult(original=cur, final=cur)

@@ -185,19 +185,23 @@ def run_sweep(specs: list[RunSpec], db, engine, *, resume: bool, bundles_dir: Pa
     bundles: list[str] = []
     by_key = {s.key: s for s in todo}
     ran = 0
+    bundles_dir = Path(bundles_dir).absolute()  # the database's paths hold from any working directory
     for row in engine.map(todo):
         row["sweep_id"] = sweep_id
-        db.add(row)
-        ran += 1
-        verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
         sig = row.get("signature")
         if sig and row["verdict"] in SIM_VERDICTS and sig not in bundled:
+            # The bundle first, then the row that points at it: a sweep killed in between has not stored the run,
+            # so --resume runs it again and bundles it (into the folder left half-written, see bundle._free).
+            path = bundle_mod.write(by_key[row["run_key"]], row, bundles_dir)
+            row["bundle"] = str(path)
+        if not db.add(row):  # another sweep on this database stored the run first
+            continue
+        if row.get("bundle"):
             bundled.add(sig)
             new_signatures.append(sig)
-            path = bundle_mod.write(by_key[row["run_key"]], row, bundles_dir)
-            db.set_bundle(row["run_key"], str(path))
-            row["bundle"] = str(path)
-            bundles.append(str(path))
+            bundles.append(row["bundle"])
+        ran += 1
+        verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
         if on_result is not None:
             on_result(row)
     return SweepOutcome(len(specs), skipped, ran, verdicts, new_signatures, bundles, time.time() - started)

@@ -204,3 +204,19 @@ def test_spawn_from_a_thread_and_join_by_waiting() -> None:
     k.spawn("parent", parent, pid=1)
     k.run()
     assert out == ["result", 2.0]
+
+
+def test_ctrl_c_while_a_thread_runs_interrupts_the_run_instead_of_being_its_crash() -> None:
+    """SIGINT lands in whichever simulated thread runs at that moment; it is the user stopping epsim, so it leaves
+    the run (the CLI says "interrupted", exit 130) instead of becoming a crash verdict (found by review: replay then
+    said NOT reproduced and shrink went on with a wrong result)."""
+    k = Kernel(seed=0)
+
+    def body() -> None:
+        k.sleep(1.0)
+        raise KeyboardInterrupt
+
+    k.spawn("worker", body)
+    with pytest.raises(KeyboardInterrupt):
+        k.run()
+    assert k.crashes == []
