@@ -58,6 +58,7 @@ class Team:
         seq = self._seq[rank]
         self._seq[rank] += 1
         env = self.kernel.env
+        arrived = env.now
         m = self._meetings.get(seq)
         if m is None:
             m = self._meetings[seq] = _Meeting(kind, parity, done=env.event(), deadline=env.timeout(timeout_s))
@@ -72,6 +73,11 @@ class Team:
             m.done.succeed(combine([m.args[r] for r in range(len(self.pids))]))
         if not m.done.triggered:
             self.kernel.wait(env.any_of([m.done, m.deadline]), f"DeepEP {kind} #{seq} on {self.name}")
+            left = arrived + timeout_s - env.now
+            if not m.done.triggered and left > 0:
+                # The meeting's watchdog runs from its first arrival; a rank that came later waits out its own
+                # timeout, as its kernel counts from its own launch.  (Only then: one timer per meeting otherwise.)
+                self.kernel.wait(env.any_of([m.done, env.timeout(left)]), f"DeepEP {kind} #{seq} on {self.name}")
         if m.done.triggered and m.args.get(rank) is not _MISMATCH:
             return m.done.value[rank]
         missing = [r for r in range(len(self.pids)) if r not in m.args or m.args[r] is _MISMATCH]

@@ -395,6 +395,7 @@ class Buffer:
                              return_recv_hook: bool = False):
         """(recv_x, recv_count, handle, event, hook): ``recv_x`` is ``[local experts, ranks * max tokens, hidden]``
         (with ``use_fp8``, a pair of FP8 data and per-128-channel scales)."""
+        _no_async_with_hook(async_finish, return_recv_hook)
         parity, use = self._ll_turn("low_latency_dispatch")
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
             raise RuntimeError(f"Assertion error: {x.shape[0]} tokens > num_max_dispatch_tokens_per_rank "
@@ -427,13 +428,19 @@ class Buffer:
         handle = _Handle(self._team.id, self.group_size, self.rank, True, layout, int(x.shape[0]), use)
         if use_fp8:
             recv_x = _to_fp8(recv_x)
-        hook = (lambda: None) if return_recv_hook else None
-        return recv_x, count, handle, EventOverlap(), hook
+        if not return_recv_hook:
+            return recv_x, count, handle, EventOverlap(), None
+        # Only the send half has run: the tokens land in the receive buffer when the caller runs the hook.
+        arrived = (recv_x, count)
+        recv_x = tuple(_not_yet(t) for t in recv_x) if isinstance(recv_x, tuple) else _not_yet(recv_x)
+        count = torch.zeros_like(count)
+        return recv_x, count, handle, EventOverlap(), _receive_hook((recv_x, count), arrived)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: _Handle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False, out: Any = None):
         """(combined_x, event, hook): ``combined_x[t] = sum_k topk_weights[t, k] * x[expert k's row for t]``."""
+        _no_async_with_hook(async_finish, return_recv_hook)
         self._check_handle(handle, low_latency=True)
         if self._ll_uses - handle.seq > 2:
             # At most two LL results in flight: the receive buffer this handle describes was written again.
@@ -462,11 +469,14 @@ class Buffer:
                 e = int(idx[t, k])
                 if e >= 0:
                     combined[t] += weights[t, k].to(x.dtype) * mine_rows[(e, t)]
-        if out is not None:
-            out.copy_(combined)
-            combined = out
-        hook = (lambda: None) if return_recv_hook else None
-        return combined, EventOverlap(), hook
+        if not return_recv_hook:
+            if out is not None:
+                out.copy_(combined)
+                combined = out
+            return combined, EventOverlap(), None
+        result = out if out is not None else torch.empty_like(combined)
+        result.copy_(_not_yet(result))  # whatever the buffer held: not the combined tokens yet
+        return result, EventOverlap(), _receive_hook((result,), (combined,))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the LL buffers' flags: a device barrier before and after, so collective."""
@@ -512,6 +522,14 @@ class Buffer:
         # The default flag: the whole collective destroy runs here, wherever the collector runs the destructor.
         # Exceptions escape to Python's unraisable hook (the simulator reports them), as pybind's would terminate.
         kernel = getattr(self, "_kernel", None)
+        if getattr(self, "_team", None) is None:
+            # The constructor failed before the peers' IPC handles were opened: the C++ destroy's barrier runs on
+            # pointers that were never set (the reference's fault 7: an illegal address, or a hang).
+            self.state = POISONED
+            if kernel is not None:
+                kernel.history.record("deep_ep.destroy_uninitialised", pid=self._pid)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (the destructor's barrier of a "
+                               "buffer whose constructor failed before the IPC handles were opened)")
         if kernel is not None and kernel.current() is None:
             # After the simulation (its interpreter shutdown): no simulated thread can wait for the peers.  Real
             # DeepEP would run the barrier at exit and hang or fault if a peer is gone (reference fault 2); here the
@@ -523,6 +541,30 @@ class Buffer:
                 pass
             return
         self._destroy()
+
+
+def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:  # the C++ side's host assertion
+        raise RuntimeError("Failed: Assertion error csrc/deep_ep.cpp: 'not (async and return_recv_hook)'")
+
+
+def _not_yet(t: torch.Tensor) -> torch.Tensor:
+    """A receive buffer whose tokens have not landed: NaN where a float can hold it (zeros otherwise), so that
+    reading it before the hook shows."""
+    return torch.full_like(t, float("nan")) if t.is_floating_point() else torch.zeros_like(t)
+
+
+def _receive_hook(into: tuple, arrived: tuple) -> Callable[[], None]:
+    """``return_recv_hook``: the receive half of the kernel, which the caller launches when it is ready; until then
+    the returned buffers hold nothing of the call."""
+    def hook() -> None:
+        for dst, src in zip(into, arrived):
+            if isinstance(dst, tuple):
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+            else:
+                dst.copy_(src)
+    return hook
 
 
 def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

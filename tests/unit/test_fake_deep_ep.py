@@ -419,3 +419,84 @@ def test_any_nvshmem_finalize_releases_the_sub_rdma_team() -> None:
         return "ok"
 
     assert ranks.run(body) == ["ok"] * 16
+
+
+# -- from a review against DeepEP's reference ---------------------------------------------------------------------
+def test_with_return_recv_hook_the_tokens_land_only_when_the_hook_runs() -> None:
+    """Low latency with ``return_recv_hook``: the call sends, the hook receives; before it, the receive buffers hold
+    nothing of the call (NaN here), after it exactly what the call without a hook returns."""
+    n, experts, max_tokens = 2, 4, 4
+    xs, idxs, ws = _inputs(n, 3, experts, 2, seed=11)
+    ranks = SimulatedRanks(n)
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+        plain_x, plain_count, plain_handle, _, no_hook = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens,
+                                                                                  experts, use_fp8=False)
+        recv_x, count, handle, _, hook = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens, experts,
+                                                                  use_fp8=False, return_recv_hook=True)
+        before = (bool(recv_x.isnan().all()), int(count.sum()))
+        hook()
+        torch.testing.assert_close(recv_x, plain_x, equal_nan=True)
+        assert torch.equal(count, plain_count) and no_hook is None
+        y = torch.zeros_like(recv_x)
+        combined, _, combine_hook = buf.low_latency_combine(y, idxs[r], ws[r], handle, return_recv_hook=True)
+        combined_before = bool(combined.isnan().all())
+        combine_hook()
+        with pytest.raises(RuntimeError, match=re.escape("'not (async and return_recv_hook)'")):
+            buf.low_latency_dispatch(xs[r], idxs[r], max_tokens, experts, async_finish=True, return_recv_hook=True)
+        return before, combined_before, combined
+
+    for res in ranks.run(body):
+        assert not isinstance(res, BaseException), res
+        before, combined_before, combined = res
+        assert before == (True, 0) and combined_before and torch.equal(combined, torch.zeros_like(combined))
+
+
+def test_a_rank_that_comes_late_waits_its_own_timeout() -> None:
+    """DeepEP's timeout counts from each rank's own launch: rank 0 arrives at 0 and times out at 100; rank 1,
+    arriving at 90, waits until 190 (found by review: it gave up at 100, after 10 s); rank 2 never comes."""
+    ranks = SimulatedRanks(3)
+    kernel = ranks.kernel
+
+    def body(g):
+        r = g.rank()
+        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        if r == 2:
+            return None
+        kernel.sleep(90.0 * r)
+        start = kernel.now()
+        with pytest.raises(deep_ep.DeepEPTimeout) as info:
+            buf.clean_low_latency_buffer(4, HIDDEN, 6)
+        return start, kernel.now(), info.value.missing
+
+    results = ranks.run(body)
+    assert results[0][1:] == (results[0][0] + 100.0, [2]) and results[1][1:] == (results[1][0] + 100.0, [2])
+    assert results[1][0] == results[0][0] + 90.0
+
+
+def test_the_destructor_of_a_buffer_whose_exchange_failed_is_an_illegal_address() -> None:
+    """The default flag runs the C++ destroy in the destructor; a constructor that failed before the IPC handles
+    were opened leaves it pointers that were never set (reference fault 7), not a Python AttributeError."""
+    ranks = SimulatedRanks(2)
+    unraisable: list = []
+
+    def body(g):
+        if g.rank() == 1:
+            return None  # never joins the exchange: rank 0's constructor fails at its first collective
+        import sys
+        hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        try:
+            with pytest.raises(Exception):
+                deep_ep.Buffer(g, num_nvl_bytes=1 << 20)
+            import gc
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        return None
+
+    ranks.run(body)
+    assert [str(u.exc_value) for u in unraisable] == [
+        "CUDA error: an illegal memory access was encountered (the destructor's barrier of a buffer whose "
+        "constructor failed before the IPC handles were opened)"]
