@@ -226,7 +226,8 @@ class RealCluster(Engine):
 
         return f"cuda:{pid % max(1, torch.cuda.device_count())}"
 
-    def _join(self, pending: dict[int, Handle], what: str) -> bool:
+    def _join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
+        # (busy_s: simulated serving time; a rank records a serving chunk's load at once)
         deadline = time.monotonic() + self.timeout_s
         while not all(h.event.is_set() for h in pending.values()):
             if self.crashed:
@@ -253,8 +254,8 @@ class RealCluster(Engine):
                 return False
             self._pump(0.01)
 
-    def prepare_limit_s(self) -> float:
-        return self.timeout_s
+    def prepare_limit_s(self, prepare_s: float) -> float:
+        return prepare_s + self.timeout_s
 
     def prepare_never_finished(self, handles: dict[int, Handle], limit: float) -> None:
         late = [p for p, h in handles.items() if not h.value.is_set()]

@@ -525,7 +525,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"epsim: error: {exc.format_message()}", file=sys.stderr)
         sys.exit(2)
     except EpsimError as exc:
-        print(f"epsim: error: {exc}", file=sys.stderr)
+        # One line, whatever it quotes (a path or a scenario name may hold a newline).
+        print("epsim: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
         sys.exit(2)
     if status == 130:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns here, silently
         print("epsim: interrupted", file=sys.stderr)

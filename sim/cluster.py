@@ -145,9 +145,9 @@ class Cluster(Engine):
         """Simulated seconds a command may take: two collective timeouts and a minute."""
         return self.scenario.collective_timeout_s * 2 + 60
 
-    def _join(self, pending: dict[int, Any], what: str) -> bool:
+    def _join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
         """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise."""
-        limit = self._command_limit_s()
+        limit = busy_s + self._command_limit_s()  # a long serving chunk is no reason to give up on it
         ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
         if not ok:
             late = [p for p, ev in pending.items() if not ev.triggered]
@@ -174,8 +174,8 @@ class Cluster(Engine):
     def prepared(self, handles: dict[int, Any]) -> bool:
         return all(ev.value.triggered for ev in handles.values())
 
-    def prepare_limit_s(self) -> float:
-        return self._command_limit_s()
+    def prepare_limit_s(self, prepare_s: float) -> float:
+        return prepare_s + self._command_limit_s()
 
     def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:
         desc = "; ".join(self._describe(p) for p, ev in handles.items() if not ev.value.triggered)

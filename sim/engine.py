@@ -113,7 +113,8 @@ class Engine:
             loads = self._route(chunk, probs)
             self.record("engine.serve", step=self.step, steps=chunk)
             if not self._join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
-                               for i, p in enumerate(self.members)}, f"serving steps {self.step}..{self.step + chunk}"):
+                               for i, p in enumerate(self.members)}, f"serving steps {self.step}..{self.step + chunk}",
+                              busy_s=chunk * sc.serving.step_time_s):
                 return False
             self.step += chunk
             steps -= chunk
@@ -205,7 +206,7 @@ class Engine:
             return False
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator, as
         # long as a command may take: a PREPARE that never returns is a liveness failure, not an endless run.
-        start, limit = self.now(), self.prepare_limit_s()
+        start, limit = self.now(), self.prepare_limit_s(event.prepare_s)
         while not self.prepared(prepared):
             if self.now() - start > limit:
                 self.prepare_never_finished(prepared, limit)
@@ -267,16 +268,18 @@ class Engine:
         """A started worker (``.pid``, ``.alive``, ``.load``, ``.post(Command)`` returning a handle to join)."""
         raise NotImplementedError
 
-    def _join(self, pending: dict[int, Any], what: str) -> bool:
-        """Wait for every worker's command (pid -> handle); False (and a liveness problem) if some never finish."""
+    def _join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
+        """Wait for every worker's command (pid -> handle); False (and a liveness problem) if some never finish.
+        ``busy_s``: how long the command itself takes in simulated time (serving steps), on top of the limit."""
         raise NotImplementedError
 
     def prepared(self, handles: dict[int, Any]) -> bool:
         """Whether every PREPARE posted (pid -> handle of the prepare command) has built its communicator."""
         raise NotImplementedError
 
-    def prepare_limit_s(self) -> float:
-        """How long serving waits for PREPARE before the run is a liveness failure (the engine's clock)."""
+    def prepare_limit_s(self, prepare_s: float) -> float:
+        """How long serving waits for a PREPARE that takes ``prepare_s`` before the run is a liveness failure (the
+        engine's clock)."""
         raise NotImplementedError
 
     def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:

@@ -82,7 +82,7 @@ def parse_overrides(items) -> dict:
         if not raw.strip():
             raise ScenarioError(f"--set {item!r}: no value; write {key.strip()}=null for none")
         try:
-            out[key.strip()] = yaml.safe_load(raw)
+            out[key.strip()] = scenario_mod.load_value(raw)
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or "not a YAML value"
             raise ScenarioError(f"--set {item!r}: the value is not a YAML scalar or list ({problem})") from None
@@ -99,7 +99,9 @@ def rerun_hash(name: str, result: Result, faults, overrides=(), calibration: str
         cmd += ["--set", item]
     if calibration is not None:
         cmd += ["--calibration", calibration]
-    env = dict(os.environ, PYTHONHASHSEED=str((int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 12345) % 4294967295))
+    own = os.environ.get("PYTHONHASHSEED", "0")
+    own_seed = int(own) if own.isdigit() else 0  # "random" (or unset) is a valid setting: any fixed other value does
+    env = dict(os.environ, PYTHONHASHSEED=str((own_seed + 12345) % 4294967295))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -267,9 +268,29 @@ class Scenario(_Strict):
                                       f"physical slots, fewer than model.experts = {m.experts}")
             if ev.kind != "abort":
                 size = target
+        draws = self.steps * self.serving.tokens_per_step * self.serving.top_k * self.peak_ranks()
+        if draws >= 2**62:  # one routing draw covers up to every step of every rank: numpy's int64 must hold it
+            raise _Problem("serving.tokens_per_step", f"{self.serving.tokens_per_step} tokens x top_k "
+                                                      f"{self.serving.top_k} x steps {self.steps} x peak ranks "
+                                                      f"{self.peak_ranks()} routing draws exceed what one draw holds")
+        from . import faults as fault_catalogue  # (it reads scenarios, not this module, at import)
+
         for i, f in enumerate(self.faults):
             if f.at_step is not None and f.at_step >= self.steps:
                 raise _Problem(f"faults[{i}].at_step", f"{f.at_step} is not before steps = {self.steps}")
+            for key in ("at_step", "times"):
+                given = getattr(f, key)
+                if given is not None and key in f.params and f.params[key] != given:
+                    raise _Problem(f"faults[{i}].params.{key}", f"{f.params[key]!r} disagrees with faults[{i}].{key} "
+                                                                f"= {given}; give it once")
+            try:  # the checks --fault gets: the site, its parameters, and whether it could ever fire here
+                fault_catalogue.check_fits(fault_catalogue.arm([f]), self, option="fault")
+            except ScenarioError as exc:
+                raise _Problem(f"faults[{i}]", str(exc)) from None
+        try:
+            fault_catalogue.arm(self.faults)  # none armed twice
+        except ScenarioError as exc:
+            raise _Problem("faults", str(exc)) from None
         return self
 
     # -- derived views -----------------------------------------------------------------------------------------
@@ -408,6 +429,15 @@ def _mapping_no_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool =
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_no_duplicates)
+# YAML 1.1 (PyYAML) reads 5e-2 and 1e6 as strings: its floats need a dot.  They are numbers here, as in YAML 1.2 and
+# in --fault parameters.
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def load_value(text: str) -> Any:
+    """One YAML value as a scenario file reads it (``--set``)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def from_dict(data: Any, source: str = "scenario") -> Scenario:

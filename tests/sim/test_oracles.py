@@ -96,7 +96,7 @@ def _run(scenario: str, strategy: str, **overrides):
 def test_a_prepare_that_never_returns_is_a_liveness_failure_not_an_endless_run() -> None:
     r = _run("scale-up", "never_prepares")
     assert (r.verdict, r.invariant) == ("liveness", "stuck")
-    assert r.detail == ("PREPARE did not finish within 660 s while the group served: pid 0: worker@0 blocked on "
+    assert r.detail == ("PREPARE did not finish within 661 s while the group served: pid 0: worker@0 blocked on "
                         "waiting for the engine, elastic-prepare@0 blocked on time.sleep; pid 1: worker@1 blocked on "
                         "waiting for the engine, elastic-prepare@1 blocked on time.sleep")
 

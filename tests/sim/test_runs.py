@@ -385,3 +385,15 @@ def test_a_nixl_fault_armed_from_the_start_meets_the_first_registrations() -> No
     r = run("steady", strategy="per-communicator-agent", faults=["nixl.register.fail"])
     assert (r.verdict, r.faults_fired) == ("crash", {"nixl.register.fail": 2})
     assert r.detail.endswith("nixlBackendError: NIXL_ERR_BACKEND")
+
+
+@pytest.mark.parametrize("overrides", [
+    {"serving": {"step_time_s": 0.25, "drift_every_steps": 0}, "eplb": {"step_interval": 3000}, "steps": 6000},
+    {"timeline": [{"at_step": 1000, "kind": "scale_up", "to": 4, "prepare_s": 700.0}]},
+])
+def test_long_serving_chunks_and_long_prepares_are_no_liveness_failure(overrides) -> None:
+    """A serving chunk of 3000 steps x 0.25 s, or a PREPARE of 700 s, is longer than the 660 s a command may
+    overrun; the limit counts on top of what the command itself takes (found by review: both were `stuck`)."""
+    sc = load("steady" if "steps" in overrides else "scale-up")
+    r = run_scenario(with_overrides(sc, **overrides))
+    assert r.verdict == "pass", r.detail

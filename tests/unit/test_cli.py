@@ -235,3 +235,15 @@ def test_a_rank_fault_may_name_a_rank_a_later_scale_up_starts(tmp_path) -> None:
     assert crashes == [(5, "nixlBackendError: NIXL_ERR_BACKEND")]
     done = epsim_here("run", "elastic-cycle", "--fault", "nixl.register.fail:rank=6")
     assert done.returncode == 2 and "the scenario starts rank processes 0..5" in done.stderr
+
+
+def test_check_determinism_under_a_random_hash_seed(monkeypatch) -> None:
+    """PYTHONHASHSEED=random is a valid setting; the rerun picks a fixed other seed (found by review: a traceback)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "random")
+    done = epsim("run", "steady", "--check-determinism", timeout=120)
+    assert done.returncode == 0 and "(same)" in done.stdout, done.stderr
+
+
+def test_an_error_quoting_a_newline_stays_one_line(tmp_path) -> None:
+    done = epsim_here("run", str(tmp_path / "no\nfile.yaml"))
+    assert (done.returncode, done.stderr) == (2, f"epsim: error: {tmp_path}/no file.yaml: no such scenario file\n")
