@@ -273,7 +273,12 @@ class Scenario(_Strict):
             raise _Problem("serving.tokens_per_step", f"{self.serving.tokens_per_step} tokens x top_k "
                                                       f"{self.serving.top_k} x steps {self.steps} x peak ranks "
                                                       f"{self.peak_ranks()} routing draws exceed what one draw holds")
-        from . import faults as fault_catalogue  # (it reads scenarios, not this module, at import)
+        if self.faults:
+            self._check_faults()
+        return self
+
+    def _check_faults(self) -> None:
+        from . import faults as fault_catalogue  # (here: the catalogue imports the fake NIXL's fault sites)
 
         for i, f in enumerate(self.faults):
             if f.at_step is not None and f.at_step >= self.steps:
@@ -291,7 +296,6 @@ class Scenario(_Strict):
             fault_catalogue.arm(self.faults)  # none armed twice
         except ScenarioError as exc:
             raise _Problem("faults", str(exc)) from None
-        return self
 
     # -- derived views -----------------------------------------------------------------------------------------
 
