@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__
-from .errors import BadOutput, EpsimError, ScenarioError
+from .errors import BadOutput, EpsimError, ScenarioError, one_line
 from .outputs import bundle_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -525,8 +525,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"epsim: error: {exc.format_message()}", file=sys.stderr)
         sys.exit(2)
     except EpsimError as exc:
-        # One line, whatever it quotes (a path or a scenario name may hold a newline).
-        print("epsim: error: " + " ".join(str(exc).splitlines()), file=sys.stderr)
+        print(f"epsim: error: {one_line(str(exc))}", file=sys.stderr)
         sys.exit(2)
     if status == 130:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns here, silently
         print("epsim: interrupted", file=sys.stderr)

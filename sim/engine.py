@@ -71,7 +71,6 @@ class Engine:
         while self.step < sc.steps:
             if self.on_progress is not None:
                 self.on_progress(self.step, self.now())
-            self.faults.at_step(self.step)
             if events and events[0].at_step <= self.step:
                 event = events.pop(0)
                 if not self.elastic(event):
@@ -87,9 +86,8 @@ class Engine:
                     return
                 next_rebalance += sc.eplb.step_interval
                 continue
-            stop = min(sc.steps, next_rebalance, events[0].at_step if events else sc.steps,
-                       self.faults.next_step(self.step))  # a fault is armed at its step, not at the chunk's end
-            if not self.serve(stop - self.step):
+            stop = min(sc.steps, next_rebalance, events[0].at_step if events else sc.steps)
+            if not self.serve(stop - self.step):  # (which arms each fault at its step)
                 return
         self.faults.heal()
         if self.rebalance():

@@ -28,6 +28,11 @@ class BadOutput(EpsimError, ValueError):
     """An output path (``--out``, ``--bundles``, ``--corpus``) epsim cannot write to."""
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks as spaces: an error quotes paths and names, which may hold one."""
+    return " ".join(text.splitlines())
+
+
 def validation_line(exc) -> str:
     """``where: what`` for the first error of a pydantic ValidationError in a JSON file epsim reads (a calibration, a
     bundle's failure.json): one line, without pydantic's internal class names ("or instance of _Config")."""

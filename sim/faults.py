@@ -170,13 +170,18 @@ def arm(specs, extra=()) -> list[Armed]:
     armed = [validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
                                **({"times": f.times} if f.times else {})}) for f in specs]
     armed += [f if isinstance(f, Armed) else parse(f) for f in extra]
+    refuse_twice(armed)
+    return armed
+
+
+def refuse_twice(armed: list[Armed]) -> None:
+    """One line for a fault armed twice: its firings would be counted together under one name in faults_fired."""
     seen: set[str] = set()
     for a in armed:
-        if str(a) in seen:  # its firings would be counted together under one name in faults_fired
+        if str(a) in seen:
             raise ScenarioError(f"fault {a} is armed twice (counting the scenario's own faults); arm it "
                                 "once, with times=N for N firings")
         seen.add(str(a))
-    return armed
 
 
 class FaultPlan:

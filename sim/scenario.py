@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ScenarioError
+from .errors import one_line as _one_line
 
 __all__ = [
     "ModelShape", "EplbConfig", "ServingConfig", "Event", "FaultSpec", "Scenario",
@@ -280,6 +281,7 @@ class Scenario(_Strict):
     def _check_faults(self) -> None:
         from . import faults as fault_catalogue  # (here: the catalogue imports the fake NIXL's fault sites)
 
+        armed = []
         for i, f in enumerate(self.faults):
             if f.at_step is not None and f.at_step >= self.steps:
                 raise _Problem(f"faults[{i}].at_step", f"{f.at_step} is not before steps = {self.steps}")
@@ -289,11 +291,12 @@ class Scenario(_Strict):
                     raise _Problem(f"faults[{i}].params.{key}", f"{f.params[key]!r} disagrees with faults[{i}].{key} "
                                                                 f"= {given}; give it once")
             try:  # the checks --fault gets: the site, its parameters, and whether it could ever fire here
-                fault_catalogue.check_fits(fault_catalogue.arm([f]), self, option="fault")
+                armed += fault_catalogue.arm([f])
+                fault_catalogue.check_fits(armed[-1:], self, option="fault")
             except ScenarioError as exc:
                 raise _Problem(f"faults[{i}]", str(exc)) from None
         try:
-            fault_catalogue.arm(self.faults)  # none armed twice
+            fault_catalogue.refuse_twice(armed)
         except ScenarioError as exc:
             raise _Problem("faults", str(exc)) from None
 
@@ -378,10 +381,6 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
             ann = next((a for a in typing.get_args(ann) if a is not type(None)), None)
         current = ann
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.splitlines())
 
 
 def _error_line(exc: ValidationError) -> str:

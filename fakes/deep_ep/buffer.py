@@ -294,7 +294,6 @@ class Buffer:
         if config is None:
             assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
 
-
     def dispatch(self, x: Any, handle: Optional[_Handle] = None, num_tokens_per_rank: Any = None,
                  num_tokens_per_rdma_rank: Any = None, is_token_in_rank: Any = None,
                  num_tokens_per_expert: Any = None, topk_idx: Optional[torch.Tensor] = None,
