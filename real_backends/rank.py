@@ -91,6 +91,9 @@ class _LaggingStream:
             self._torch.cuda._sleep(self._cycles)
         op()
 
+    def synchronize(self, reason: str = "synchronize") -> None:
+        self._torch.cuda.current_stream(self._device).synchronize()
+
 
 @functools.lru_cache(maxsize=None)
 def _cycles_per_second(device: Any) -> float:
@@ -205,9 +208,13 @@ class RealWorker:
                 move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
                                 stream)
                 continue
-            # As the simulation's worker: transfer here, then the layer is copied out of expert_buffer on the
+            # As the simulation's worker: transfer here (local copies on the stream, after the layer before's
+            # move_from_buffer; then a synchronize), then the layer is copied out of expert_buffer on the
             # (lagging) stream at the next step boundary, and the next layer's transfers start at once.
-            move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows)
+            move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
+                                stream)
+            if stream is not None:
+                stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             time.sleep(max(0.0, move.until_next_step(start, time.perf_counter(), step)))
             move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.

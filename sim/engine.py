@@ -23,6 +23,25 @@ from .worker import Command
 PREPARE_POLL_STEPS = 10  # serving goes on in chunks of this many steps while PREPARE runs in the background
 
 
+def routed_shares(weights: np.ndarray, top_k: int) -> np.ndarray:
+    """Each expert's share of the routed token-slots when every token picks ``top_k`` distinct experts with
+    popularity ``weights``: at most ``1 / top_k`` (an expert is in a token's top-k at most once), the rest in
+    proportion to ``weights`` (inclusion probabilities ``min(1, c * w)`` summing to ``top_k``).  Without the cap a
+    Zipf 1.2 popularity over 256 experts would give the hottest expert 25% of the slots, twice what top-8 allows."""
+    w = np.asarray(weights, dtype=np.float64)
+    share = w / w.sum()
+    capped = np.zeros(w.shape, dtype=bool)
+    while True:
+        over = ~capped & (share > 1.0 / top_k)
+        if not over.any():
+            return share
+        capped |= over
+        rest = w[~capped]
+        share = np.where(capped, 1.0 / top_k, 0.0)
+        if rest.size:  # the capped experts' excess goes to the others in proportion to their weights
+            share[~capped] = rest / rest.sum() * (1.0 - capped.sum() / top_k)
+
+
 class Engine:
     """A run's timeline.  Subclasses set ``scenario``, ``seed``, ``faults`` and ``on_progress`` and call
     :meth:`init_engine` before :meth:`engine` runs."""
@@ -34,7 +53,7 @@ class Engine:
 
     def init_engine(self) -> None:
         m = self.scenario.model
-        self.shape = ModelShape(m.layers, m.experts, m.local_experts, m.hidden)
+        self.shape = ModelShape(m.layers, m.experts, m.local_experts, m.hidden, m.expert_groups)
         self.workers: dict[int, Any] = {}
         self.members: list[int] = []
         self.placement: Placement | None = None
@@ -45,6 +64,7 @@ class Engine:
         self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
         self._route_epoch = -1
         self._route_probs: np.ndarray | None = None
+        self._window_reads: list[int] = []  # steps at which a rebalance will read the load window (serve() splits)
         # (what, start, end) of every rebalance and reconfiguration in the world's time; not in the history, so a
         # calibration can compare worlds without changing any trace.
         self.spans: list[tuple[str, float, float]] = []
@@ -79,6 +99,11 @@ class Engine:
                     # vLLM resets expert_rearrangement_step after the reshuffle, so that all ranks count alike.
                     next_rebalance = self.step + sc.eplb.step_interval
                 continue
+            # The load window covers exactly the last `window` steps at a periodic rebalance and the last one, as
+            # vLLM's per-step ring buffer does: serving splits its chunk where that window starts.  An elastic
+            # reshuffle's window starts at its event's step minus the window and also holds the PREPARE's steps.
+            self._window_reads = [next_rebalance, sc.steps] + [e.at_step for e in events[:1]
+                                                               if e.kind in ("scale_up", "scale_down")]
             if self.step >= next_rebalance:
                 # Async EPLB moves the layers while serving goes on (vLLM's EplbState.step, one layer per forward
                 # step); a commit, the next rebalance or the last one drains what is still in flight.
@@ -106,6 +131,9 @@ class Engine:
                 chunk = min(chunk, drift - self.step % drift)
             # A NIXL fault is armed at its step, also while an elastic event serves in short chunks.
             chunk = min(chunk, self.faults.next_step(self.step) - self.step)
+            for read in self._window_reads:
+                if self.step < read - sc.eplb.window < self.step + chunk:
+                    chunk = read - sc.eplb.window - self.step
             epoch = self.step // drift if drift else 0
             probs = self._probs(epoch)
             loads = self._route(chunk, probs)
@@ -143,8 +171,8 @@ class Engine:
             m, skew = self.scenario.model, self.scenario.serving.skew
             rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, f"routing-epoch-{epoch}")))
             ranks = np.arange(1, m.experts + 1, dtype=np.float64)
-            base = ranks ** -skew
-            self._route_probs = np.stack([rng.permutation(base) / base.sum() for _ in range(m.layers)])
+            base = routed_shares(ranks ** -skew, self.scenario.serving.top_k)
+            self._route_probs = np.stack([rng.permutation(base) for _ in range(m.layers)])
             self._route_epoch = epoch
         return self._route_probs
 
@@ -162,7 +190,10 @@ class Engine:
         old = self.placement
         size = new_size or len(self.members)
         self.before_rebalance()
-        new = policy.rebalance(self.total_load(self.members), self.shape, size, previous=old)
+        # vLLM counts the nodes of the ranks the placement is for (a scale-down: the survivors); ranks fill nodes
+        # in order.
+        nodes = -(-size // self.scenario.gpus_per_node)
+        new = policy.rebalance(self.total_load(self.members), self.shape, size, previous=old, num_nodes=nodes)
         if size == old.ep_size and new == old:
             new = old
         self.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest())
@@ -204,8 +235,11 @@ class Engine:
             return False
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator, as
         # long as a command may take: a PREPARE that never returns is a liveness failure, not an endless run.
+        # Serving goes on for at least the scenario's prepare_s in every world, so that a real PREPARE that is
+        # done sooner (or was done while new ranks started) serves the steps the simulated one does.
         start, limit = self.now(), self.prepare_limit_s(event.prepare_s)
-        while not self.prepared(prepared):
+        least = self.step + int(np.ceil(event.prepare_s / self.scenario.serving.step_time_s - 1e-9))
+        while self.step < least or not self.prepared(prepared):
             if self.now() - start > limit:
                 self.prepare_never_finished(prepared, limit)
                 return False

@@ -96,6 +96,9 @@ class ModelShape(_Strict):
                                    description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
     nominal_expert_bytes: int = Field(ge=1, le=2**40,
                                       description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)")
+    expert_groups: int = Field(1, ge=1, le=65536,
+                               description="expert groups (vLLM's num_expert_groups; DeepSeek-V3's n_group: 8); "
+                                           "when they split evenly over the nodes the policy is hierarchical")
 
     def physical_experts(self, ep_size: int) -> int:
         """Physical expert slots of one layer across ``ep_size`` ranks."""
@@ -104,6 +107,12 @@ class ModelShape(_Strict):
     def min_ep_size(self) -> int:
         """The smallest EP size whose slots hold every logical expert."""
         return -(-self.experts // self.local_experts)
+
+    @model_validator(mode="after")
+    def _groups_split(self) -> "ModelShape":
+        if self.experts % self.expert_groups:
+            raise _Problem("expert_groups", f"{self.expert_groups} does not divide experts = {self.experts}")
+        return self
 
 
 class EplbConfig(_Strict):
@@ -200,6 +209,8 @@ class Scenario(_Strict):
     description: str = ""
     ranks: int = Field(ge=1, le=MAX_RANKS, description="initial EP size")
     max_ranks: Union[int, None] = Field(None, ge=1, le=MAX_RANKS, description="the EP size never exceeds this")
+    gpus_per_node: int = Field(8, ge=1, le=MAX_RANKS,
+                               description="ranks per node, filled in rank order; EPLB's policy counts nodes")
     model: ModelShape
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)

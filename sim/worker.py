@@ -170,12 +170,15 @@ class Worker:
                 move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 self.stream)
                 continue
-            # vLLM's async EPLB: this thread stages the local copies on a stream of its own and synchronizes it
-            # (here: the copies run at once), posts the READs and executes; the main thread takes the layer at
+            # vLLM's async EPLB: this thread stages the local copies on a stream of its own that waits for the
+            # consumed event of the layer before (so they run after its move_from_buffer: one in-order stream
+            # here), posts the READs, executes and synchronizes that stream; the main thread takes the layer at
             # its next step boundary once every rank has it (the group's barrier ends execute at one instant),
             # issues move_from_buffer on the compute stream and records the consumed event, and this thread
-            # starts the next layer's transfers at once, in no order with that stream.
-            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows)
+            # starts the next layer's transfers at once: its READs in no order with that stream.
+            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
+                                self.stream)
+            self.stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             self.kernel.sleep(move.until_next_step(start, self.kernel.now(), step),
                               "async EPLB: the main thread takes the layer at its next step")
             move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)

@@ -1,20 +1,27 @@
-"""A deterministic rebalance policy in the spirit of vLLM's default EPLB policy, and its balancedness metric.
+"""A deterministic rebalance policy with the semantics of vLLM's default EPLB policy (``DefaultEplbPolicy``, after
+DeepSeek's EPLB), and its balancedness metric.
 
 Per layer:
 
-1. *Replicate.*  Every logical expert gets one physical slot; each redundant slot goes, one at a time, to the
-   expert with the highest load per replica (ties: fewer replicas, then lower logical id) among those with fewer
-   than ``ep_size`` replicas (a further replica would share a rank with another and relieve no rank).
-2. *Pack.*  Replicas, heaviest first (ties: lower logical id), go to the least loaded rank that still has a free
-   slot and does not hold that expert yet (ties: lower rank); only when every rank with a free slot already holds
-   the expert may a rank get a second replica.  A repair pass then swaps slots between ranks while that removes a
-   duplicate.  Each rank's slots are listed in ascending logical id.
-3. *Keep slots.*  Given the placement it replaces, every rank in both (a rank keeps its index when the group grows
+1. *Replicate.*  Every logical expert gets one physical slot; each redundant slot goes, one at a time, to the expert
+   with the highest load per replica (ties: the lower logical id).  Nothing caps the replicas of one expert.
+2. *Pack.*  Physical experts, heaviest per replica first (ties: the lower physical index), each go to the lightest
+   rank that still has a free slot (ties: the lower rank).  Nothing keeps two replicas of one expert off the same
+   rank, as in vLLM; such a rank serves the expert from either row.  A rank's slots are in the order it got them.
+   When every rank has one slot the i-th physical expert goes to rank i, as vLLM packs one item per pack.
+3. *Hierarchical* when the model's expert groups split evenly over the group's nodes (DeepSeek-V3: 8 groups; EP64
+   on 8-GPU nodes is 8 nodes): first the groups are packed onto nodes by their summed load, then each node
+   replicates its own experts into its share of the slots and packs them onto its ranks, so that no replica crosses
+   a node.  Otherwise the *global* policy: the same with one group and one node.  As in vLLM, a group whose size is
+   not a multiple of the node count is placed as if on one node (its groups still set the experts' order).
+4. *Keep slots.*  Given the placement it replaces, every rank in both (a rank keeps its index when the group grows
    or shrinks) puts the experts it keeps back in their old slots, and the newcomers in the slots left: vLLM's
    ``preserve_intragpu_slots``, which its default policy applies whenever it is given the current map (the
    rearrange always gives it).  Those rows are then left alone instead of copied inside the rank.
 
 A replica is assumed to serve ``load / replicas`` tokens.  No randomness: the same load gives the same placement.
+vLLM sorts with an unstable sort, so its choice among exactly equal loads (an idle layer) is unspecified; here the
+lower index wins.
 """
 
 from __future__ import annotations
@@ -40,85 +47,75 @@ def _check_load(load: np.ndarray, num_layers: int, num_logical: int) -> np.ndarr
     return arr
 
 
-def replica_counts(layer_load: np.ndarray, num_physical: int, ep_size: int | None = None) -> np.ndarray:
-    """``[num_logical]`` int64: how many slots each logical expert of one layer gets (sums to ``num_physical``).
-
-    Each redundant slot goes to the expert with the highest load per replica (ties: fewer replicas, then lower
-    id).  With ``ep_size``, an expert gets more than ``ep_size`` replicas only once every expert has ``ep_size``:
-    a replica beyond that would share a rank with another one and take no load off that rank.
-    """
-    layer_load = np.asarray(layer_load, dtype=np.float64)
-    num_logical = layer_load.shape[0]
+def replicate(loads: Sequence[float], num_physical: int) -> tuple[list[int], list[int]]:
+    """``(phy2log, counts)`` of one layer: physical slot ``i < len(loads)`` is logical ``i``; each later slot is the
+    expert with the highest load per replica at that point (ties: lower id).  ``counts`` sums to ``num_physical``."""
+    num_logical = len(loads)
     if num_physical < num_logical:
         raise EplbError(f"num_physical={num_physical} is fewer than num_logical_experts={num_logical}")
     counts = [1] * num_logical
-    loads = layer_load.tolist()
-    # A heap ordered as the rule reads: highest load per replica, then fewer replicas, then lower id.  Experts at
-    # the ep_size cap wait aside while any expert is under it.
-    heap = [(-loads[e], 1, e) for e in range(num_logical)]
+    phy2log = list(range(num_logical))
+    heap = [(-loads[e], e) for e in range(num_logical)]  # highest load per replica first, then lower id
     heapq.heapify(heap)
-    capped: list[tuple[float, int, int]] = []
     for _ in range(num_physical - num_logical):
-        if ep_size is not None:
-            while heap and heap[0][1] >= ep_size:
-                capped.append(heapq.heappop(heap))
-            if not heap:  # every expert has ep_size replicas: the cap no longer applies
-                heap, capped = capped, []
-                heapq.heapify(heap)
-        _, _, e = heapq.heappop(heap)
+        _, e = heapq.heappop(heap)
+        phy2log.append(e)
         counts[e] += 1
-        heapq.heappush(heap, (-(loads[e] / counts[e]), counts[e], e))
-    return np.asarray(counts, dtype=np.int64)
+        heapq.heappush(heap, (-(loads[e] / counts[e]), e))
+    return phy2log, counts
 
 
-def _pack_layer(layer_load: np.ndarray, counts: np.ndarray, ep_size: int, num_local: int) -> list[list[int]]:
-    per_replica = (layer_load / counts).tolist()
-    replicas = sorted((-per_replica[e], e) for e in range(len(counts)) for _ in range(int(counts[e])))
-    slots: list[list[int]] = [[] for _ in range(ep_size)]
-    held: list[set[int]] = [set() for _ in range(ep_size)]
-    rank_load = [0.0] * ep_size
-    # Ranks with a free slot, least loaded first (ties: lower rank); a rank leaves the heap when it is full.
-    heap = [(0.0, r) for r in range(ep_size)]
-    for neg_load, e in replicas:
-        skipped = []
-        while heap and e in held[heap[0][1]]:
-            skipped.append(heapq.heappop(heap))
-        if heap:
-            _, r = heapq.heappop(heap)
-        else:  # every rank with a free slot already holds e: the least loaded of them takes a second replica
-            _, r = skipped.pop(0)
-        for item in skipped:
-            heapq.heappush(heap, item)
-        slots[r].append(e)
-        held[r].add(e)
-        rank_load[r] += -neg_load
-        if len(slots[r]) < num_local:
-            heapq.heappush(heap, (rank_load[r], r))
-    _remove_duplicates(slots)
-    return [sorted(s) for s in slots]
+def replica_counts(layer_load: np.ndarray, num_physical: int) -> np.ndarray:
+    """``[num_logical]`` int64: how many slots each logical expert of one layer gets under the global policy."""
+    return np.asarray(replicate(np.asarray(layer_load, dtype=np.float64).tolist(), num_physical)[1],
+                      dtype=np.int64)
 
 
-def _remove_duplicates(slots: list[list[int]]) -> None:
-    """Swap slots between ranks while that lowers the number of duplicated replicas on a rank (each swap removes
-    one duplicate, so this ends)."""
-    while True:
-        for a, rank_a in enumerate(slots):
-            dup = next((e for e in sorted(set(rank_a)) if rank_a.count(e) > 1), None)
-            if dup is None:
-                continue
-            for b, rank_b in enumerate(slots):
-                if b == a or dup in rank_b:
-                    continue
-                other = next((f for f in sorted(set(rank_b)) if f not in rank_a), None)
-                if other is not None:
-                    rank_a[rank_a.index(dup)] = other
-                    rank_b[rank_b.index(other)] = dup
-                    break
-            else:
-                continue
-            break  # swapped: rescan from the start
-        else:
-            return
+def balanced_packing(weights: Sequence[float], num_packs: int) -> list[list[int]]:
+    """Items into ``num_packs`` packs of ``len(weights) // num_packs`` each, heaviest first (ties: lower index) into
+    the lightest pack with room (ties: lower pack); returns each pack's items in the order it got them.  With one
+    item per pack, item ``i`` goes to pack ``i``."""
+    per_pack = len(weights) // num_packs
+    if per_pack * num_packs != len(weights):
+        raise EplbError(f"{len(weights)} items do not split evenly into {num_packs} packs")
+    if per_pack == 1:
+        return [[i] for i in range(num_packs)]
+    packs: list[list[int]] = [[] for _ in range(num_packs)]
+    heap = [(0.0, p) for p in range(num_packs)]  # (load, pack) of packs with room; a full pack leaves the heap
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, p = heapq.heappop(heap)
+        packs[p].append(item)
+        if len(packs[p]) < per_pack:
+            heapq.heappush(heap, (load + weights[item], p))
+    return packs
+
+
+def node_layout(num_groups: int, num_nodes: int, ep_size: int) -> tuple[int, int]:
+    """The ``(groups, nodes)`` vLLM's rearrange gives its policy: one node when the ranks do not split evenly over
+    the nodes, and the global policy (one group, one node) when the groups do not."""
+    if num_nodes < 1 or ep_size % num_nodes:
+        num_nodes = 1
+    if num_groups % num_nodes:
+        return 1, 1
+    return num_groups, num_nodes
+
+
+def _layer(loads: list[float], num_physical: int, ep_size: int, num_groups: int, num_nodes: int) -> list[list[int]]:
+    """Each rank's logical experts, in slot order, for one layer."""
+    num_logical = len(loads)
+    group_size = num_logical // num_groups
+    # 1. Groups onto nodes by their summed load; a node's experts, in its order, are its groups' experts in turn.
+    group_loads = [sum(loads[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
+    ranks_per_node = ep_size // num_nodes
+    out: list[list[int]] = []
+    for groups in balanced_packing(group_loads, num_nodes):
+        experts = [g * group_size + j for g in groups for j in range(group_size)]
+        # 2. Replicate the node's experts into its share of the slots; 3. pack them onto the node's ranks.
+        phy2local, counts = replicate([loads[e] for e in experts], num_physical // num_nodes)
+        per_replica = [loads[experts[i]] / counts[i] for i in phy2local]
+        for pack in balanced_packing(per_replica, ranks_per_node):
+            out.append([experts[phy2local[i]] for i in pack])
+    return out
 
 
 def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int]:
@@ -135,23 +132,25 @@ def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int
     return [e if e is not None else next(rest) for e in placed]
 
 
-def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Placement | None = None) -> Placement:
-    """The placement for ``ep_size`` ranks given the ``[num_layers, num_logical_experts]`` load (e.g.
-    :meth:`~sim.eplb.state.LoadWindow.total` after the all-reduce).  ``previous``: the placement being replaced;
-    every rank that exists in both keeps the experts it keeps in their old slots (:func:`preserve_slots`), as vLLM's
-    default policy does when it is given the current map (it always is, also when the group grows or shrinks: a
-    rank keeps its index)."""
+def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Placement | None = None,
+              num_nodes: int = 1) -> Placement:
+    """The placement for ``ep_size`` ranks on ``num_nodes`` nodes given the ``[num_layers, num_logical_experts]``
+    load (e.g. :meth:`~sim.eplb.state.LoadWindow.total` after the all-reduce).  ``previous``: the placement being
+    replaced; every rank that exists in both keeps the experts it keeps in their old slots (:func:`preserve_slots`),
+    as vLLM's default policy does when it is given the current map (it always is, also when the group grows or
+    shrinks: a rank keeps its index)."""
     shape.validate(ep_size)
     arr = _check_load(load, shape.num_layers, shape.num_logical_experts)
     num_local = shape.num_local_experts
-    out = np.empty((shape.num_layers, shape.num_physical(ep_size)), dtype=np.int64)
-    kept = 0 if previous is None else min(ep_size, previous.ep_size)
     if previous is not None and previous.num_local_experts != num_local:
         raise EplbError(f"previous placement has {previous.num_local_experts} slots per rank, the shape "
                         f"{num_local}")
+    groups, nodes = node_layout(shape.num_expert_groups, num_nodes, ep_size)
+    num_physical = shape.num_physical(ep_size)
+    out = np.empty((shape.num_layers, num_physical), dtype=np.int64)
+    kept = 0 if previous is None else min(ep_size, previous.ep_size)
     for layer in range(shape.num_layers):
-        counts = replica_counts(arr[layer], shape.num_physical(ep_size), ep_size)
-        for rank, ids in enumerate(_pack_layer(arr[layer], counts, ep_size, num_local)):
+        for rank, ids in enumerate(_layer(arr[layer].tolist(), num_physical, ep_size, groups, nodes)):
             if rank < kept:
                 ids = preserve_slots(ids, previous.rank_rows(rank, layer).tolist())
             out[layer, rank * num_local:(rank + 1) * num_local] = ids

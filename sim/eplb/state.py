@@ -44,19 +44,25 @@ class ModelShape:
     """The MoE shape of a model as EPLB sees it.
 
     ``num_local_experts`` is the number of physical expert slots per rank (constant across elastic changes).
-    ``hidden`` is the row width of the simulated expert weight tensors.
+    ``hidden`` is the row width of the simulated expert weight tensors.  ``num_expert_groups`` is vLLM's
+    ``model.num_expert_groups`` (DeepSeek-V3's ``n_group``: 8), which the hierarchical policy packs onto nodes.
     """
 
     num_layers: int
     num_logical_experts: int
     num_local_experts: int
     hidden: int = 4
+    num_expert_groups: int = 1
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1)
         _check_int("num_logical_experts", self.num_logical_experts, 1)
         _check_int("num_local_experts", self.num_local_experts, 1)
         _check_int("hidden", self.hidden, 1)
+        _check_int("num_expert_groups", self.num_expert_groups, 1)
+        if self.num_logical_experts % self.num_expert_groups:
+            raise EplbError(f"num_logical_experts={self.num_logical_experts} does not split into "
+                            f"num_expert_groups={self.num_expert_groups} equal groups")
 
     def num_physical(self, ep_size: int) -> int:
         """Physical expert slots over the whole EP group: ``num_local_experts * ep_size``."""

@@ -30,13 +30,14 @@ def test_scale_up_lifecycle_history_is_literal() -> None:
     engine = [(round(t, 2), kind.removeprefix("engine."), f.get("step"))
               for t, kind, f in c.kernel.history.records
               if kind in ("engine.rebalance", "engine.scale_up", "engine.shutdown")]
-    # Rebalances after the reshuffle start 0.01 s late: the time the reshuffle's 42 MiB READs took.  The interval
-    # restarts at the reshuffle (step 1020), as vLLM resets expert_rearrangement_step after it.
-    assert engine == [(6.25, "rebalance", 125), (31.25, "rebalance", 625), (50.0, "scale_up", 1000),
-                      (51.0, "rebalance", 1020), (76.01, "rebalance", 1520), (101.01, "rebalance", 2020),
-                      (126.01, "rebalance", 2520), (150.01, "rebalance", 3000), (150.01, "shutdown", 3000)]
+    # Each rebalance that moves experts between ranks adds the 4.4 ms its 42 MiB READs take, so the clock drifts
+    # from the step count.  The interval restarts at the reshuffle (step 1020, after 20 steps of PREPARE), as vLLM
+    # resets expert_rearrangement_step after it.
+    assert engine == [(6.25, "rebalance", 125), (31.25, "rebalance", 625), (50.01, "scale_up", 1000),
+                      (51.01, "rebalance", 1020), (76.01, "rebalance", 1520), (101.02, "rebalance", 2020),
+                      (126.02, "rebalance", 2520), (150.03, "rebalance", 3000), (150.03, "shutdown", 3000)]
     swaps = [(round(t, 2), f["pid"]) for t, kind, f in c.kernel.history.records if kind == "comm.swap"]
-    assert [p for _, p in swaps] == [0, 1] and all(t == 51.0 for t, _ in swaps)
+    assert sorted(p for _, p in swaps) == [0, 1] and all(t == 51.01 for t, _ in swaps)
     assert r.verdict == "pass" and r.trace_hash == c.kernel.history.trace_hash()
     c.kernel.close()
 
@@ -134,13 +135,18 @@ def test_broken_shared_agent_is_caught_under_gc_faults(name: str, fault: str) ->
     assert sum(r.faults_fired.values()) >= 1
 
 
-@pytest.mark.parametrize("fault", ["gc.late:delay_s=0.5", "gc.cycle", "gc.never"])
-def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str) -> None:
-    """scale-up has no load drift: after the reshuffle no expert moves again, so a finalizer that runs late breaks no
-    READ (these runs passed, a coverage gap).  The ledger still sees it: the new communicator's own cleanup
-    deregisters the shared registrations the broken finalizer had already released."""
+@pytest.mark.parametrize("fault, caught", [("gc.late:delay_s=0.5", ("crash", "exception")),
+                                           ("gc.cycle", ("safety", "released_twice")),
+                                           ("gc.never", ("safety", "released_twice"))])
+def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str, caught: tuple[str, str]) -> None:
+    """scale-up has no load drift.  A finalizer that runs half a second late breaks a later READ (the rebalance
+    after the reshuffle still moves experts, as vLLM's policy reshuffles on sampling noise); when it runs at a
+    commit's collection or never, no READ breaks (these runs passed once, a coverage gap) and the ledger sees it:
+    the new communicator's own cleanup deregisters the shared registrations the broken finalizer released."""
     r = run("scale-up", strategy=BROKEN, faults=[fault])
-    assert (r.verdict, r.invariant) == ("safety", "released_twice"), r.detail
+    assert (r.verdict, r.invariant) == caught, r.detail
+    if caught[0] == "crash":
+        assert "nixlNotFoundError" in r.detail
 
 
 def test_gc_faults_change_where_the_old_communicator_dies() -> None:
@@ -160,17 +166,18 @@ def test_gc_faults_change_where_the_old_communicator_dies() -> None:
     late_drops, late = finals("gc.late:delay_s=2.5")
     assert [h for _, h in plain_drops][:2] == ["refcount", "refcount"]
     assert [h for _, h in late_drops][:2] == ["gc.late", "gc.late"]
-    assert plain[:2] == [51.004, 51.004] and late[:2] == [53.504, 53.504]
+    assert plain[:2] == [51.009, 51.009] and late[:2] == [53.509, 53.509]
     c = Cluster(load("scale-up"), seed=0, strategy="per-communicator-agent", profile="dram",
                 faults=[parse("gc.cycle:times=1")])
     c.run()
     kinds = [(kind, f.get("how"), f.get("reason")) for _, kind, f in c.kernel.history.records
              if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy")]
     c.kernel.close()
-    # pid 0's old communicator sits in a cycle until pid 0's next planned collection (shutdown), not pid 1's
-    # commit; pid 1's is dropped by refcount and dies at once.
-    assert kinds[:5] == [("gc.collect", None, "commit@0"), ("gc.drop", "gc.cycle", None),
-                         ("gc.collect", None, "commit@1"), ("gc.drop", "refcount", None),
+    # The first rank to commit (the tie-break's choice: pid 1) has its old communicator sit in a cycle until its
+    # own next planned collection (shutdown), not the other rank's commit; the other's is dropped by refcount and
+    # dies at once.
+    assert kinds[:5] == [("gc.collect", None, "commit@1"), ("gc.drop", "gc.cycle", None),
+                         ("gc.collect", None, "commit@0"), ("gc.drop", "refcount", None),
                          ("nixl.agent.destroy", None, None)]
     shutdown = kinds.index(("gc.collect", None, "shutdown"))
     assert kinds[shutdown + 1] == ("nixl.agent.destroy", None, None)  # pid 0's old agent, broken free at last
@@ -369,7 +376,7 @@ def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
 
 @pytest.mark.parametrize("fault, strategy, verdict, fired", [
     ("gc.late:at_step=1010", "per-communicator-agent", "pass", 2),  # the old communicators dropped at the commit
-    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 52),  # the reshuffle's READs
+    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 138),  # every READ from the reshuffle on
     ("storage.move:at_step=1010", "shared-agent", "crash", 2),  # the buffer moved under PREPARE's new communicator
 ])
 def test_a_fault_due_while_an_elastic_event_serves_applies_to_the_event(fault, strategy, verdict, fired) -> None:

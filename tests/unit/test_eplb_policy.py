@@ -1,6 +1,6 @@
-"""The rebalance policy: literal placements, determinism, every expert present, no avoidable duplicates, a better
-balance than the initial map when one hot expert sits in a single slot, and experts a rank keeps staying in their
-slots (vLLM's preserve_intragpu_slots)."""
+"""The rebalance policy: vLLM's default policy in literal placements (global and hierarchical), determinism, every
+expert present, replicas of a group kept on its node, a better balance than the initial map when one hot expert sits
+in a single slot, and experts a rank keeps staying in their slots (vLLM's preserve_intragpu_slots)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from collections import Counter
 
 from sim.eplb import move
-from sim.eplb.policy import balancedness, preserve_slots, rank_loads, rebalance, replica_counts
+from sim.eplb.policy import (balanced_packing, balancedness, node_layout, preserve_slots, rank_loads, rebalance,
+                             replica_counts)
 from sim.eplb.state import EplbError
 from sim.eplb.state import ModelShape, Placement
 
@@ -22,9 +23,10 @@ SHAPE = ModelShape(num_layers=2, num_logical_experts=4, num_local_experts=3)
 def test_literal_rebalance_two_ranks() -> None:
     load = np.array([[10, 1, 1, 8], [0, 0, 0, 0]])
     p = rebalance(load, SHAPE, 2)
-    # layer 0: 0 and 3 are hot, each gets a second replica, one per rank; 1 and 2 fill the gaps.
-    # layer 1: no load: replicas go round-robin (fewer replicas first), lowest ids.
-    assert p.to_list() == [[0, 1, 3, 0, 2, 3], [0, 1, 2, 0, 1, 3]]
+    # layer 0: 0 and 3 are hot and get a second replica each (physical 4 and 5); per replica 5 5 4 4 1 1, heaviest
+    # first into the lighter rank (ties: rank 0): slot order is the order a rank got them.
+    # layer 1: no load: argmax of 0/count is expert 0 every time, and the packing fills rank 0 first.
+    assert p.to_list() == [[0, 3, 1, 0, 3, 2], [0, 1, 2, 3, 0, 0]]
     assert rank_loads(load, p).tolist() == [[10.0, 10.0], [0.0, 0.0]]
     assert balancedness(load, p) == 1.0
     initial = Placement.initial(SHAPE, 2)  # rank 0: 0 1 2 (5+0.5+1), rank 1: 3 0 1 (8+5+0.5)
@@ -34,24 +36,48 @@ def test_literal_rebalance_two_ranks() -> None:
 
 def test_replica_counts() -> None:
     assert replica_counts(np.array([10, 1, 1, 8]), 6).tolist() == [2, 1, 1, 2]
-    assert replica_counts(np.array([9, 1]), 5).tolist() == [4, 1]  # 9/4 = 2.25 > 1
-    assert replica_counts(np.array([9, 1]), 4, ep_size=2).tolist() == [2, 2]  # at most 2 of 0 on 2 ranks...
-    assert replica_counts(np.array([9, 1]), 5, ep_size=2).tolist() == [3, 2]  # ...until everyone has 2
-    assert replica_counts(np.array([6, 3]), 4).tolist() == [2, 2]  # then 6/2 == 3/1: tie -> fewer replicas
-    assert replica_counts(np.array([3, 3]), 3).tolist() == [2, 1]  # full tie -> lower id
-    assert replica_counts(np.zeros(3), 7).tolist() == [3, 2, 2]
+    assert replica_counts(np.array([9, 1]), 5).tolist() == [4, 1]  # 9/4 = 2.25 > 1: no cap at the rank count
+    assert replica_counts(np.array([6, 3]), 4).tolist() == [3, 1]  # 6/2 == 3/1: a tie goes to the lower id
+    assert replica_counts(np.array([3, 3]), 3).tolist() == [2, 1]
+    assert replica_counts(np.zeros(3), 7).tolist() == [5, 1, 1]  # argmax of all zeros is expert 0 every time
 
 
-def test_no_redundancy_is_pure_packing() -> None:
-    shape = ModelShape(1, 4, 2)
-    p = rebalance(np.array([[4, 3, 2, 1]]), shape, 2)
-    assert p.to_list() == [[0, 3, 1, 2]]  # LPT: 4->r0, 3->r1, 2->r1, 1->r0
+def test_balanced_packing() -> None:
+    assert balanced_packing([4, 3, 2, 1], 2) == [[0, 3], [1, 2]]
+    assert balanced_packing([1, 5, 5], 3) == [[0], [1], [2]]  # one item per pack: in order, no sorting
+    assert balanced_packing([1, 5, 5, 2], 1) == [[1, 2, 3, 0]]
+    with pytest.raises(ValueError, match="split evenly"):
+        balanced_packing([1, 2, 3], 2)
+
+
+def test_node_layout() -> None:
+    assert node_layout(8, 8, 64) == (8, 8)  # DeepSeek-V3 at EP64 on 8-GPU nodes: hierarchical
+    assert node_layout(8, 9, 72) == (1, 1)  # 8 groups do not split over 9 nodes: global
+    assert node_layout(8, 9, 68) == (8, 1)  # 68 ranks do not split over 9 nodes: one node, groups kept
+    assert node_layout(1, 2, 16) == (1, 1)
+
+
+def test_hierarchical_literal() -> None:
+    """Groups {0, 1} and {2, 3} on two nodes of one rank each: as many groups as nodes, so group g goes to node g
+    (vLLM packs one item per pack in order), and each node replicates and packs only its own experts."""
+    load = np.array([[1, 2, 10, 3]])
+    shape = ModelShape(num_layers=1, num_logical_experts=4, num_local_experts=2, num_expert_groups=2)
+    assert rebalance(load, shape, 2, num_nodes=2).to_list() == [[1, 0, 2, 3]]  # heaviest first within a rank
+    # A third slot per rank: node 0 replicates 1 (2 > 1), node 1 replicates 2; neither replica leaves its node.
+    shape3 = ModelShape(num_layers=1, num_logical_experts=4, num_local_experts=3, num_expert_groups=2)
+    assert rebalance(load, shape3, 2, num_nodes=2).to_list() == [[0, 1, 1, 2, 2, 3]]
+    # One node: the groups are ordered by load ({2, 3} first), then the global rule: expert 2 gets two more
+    # replicas, two of its three land on rank 0, as vLLM's packing allows.
+    assert rebalance(load, shape3, 2, num_nodes=1).to_list() == [[2, 2, 0, 2, 3, 1]]
+    # Without groups the same load on two nodes is global too (one group does not split over two nodes).
+    flat = ModelShape(num_layers=1, num_logical_experts=4, num_local_experts=3)
+    assert rebalance(load, flat, 2, num_nodes=2) == rebalance(load, flat, 2, num_nodes=1)
 
 
 def test_one_rank_holds_everything() -> None:
     shape = ModelShape(1, 3, 5)
     p = rebalance(np.array([[1, 50, 2]]), shape, 1)
-    assert p.to_list() == [[0, 1, 1, 1, 2]]
+    assert p.to_list() == [[1, 1, 1, 2, 0]]  # heaviest per replica first
 
 
 @pytest.mark.parametrize("load, message", [
@@ -96,13 +122,48 @@ def test_policy_properties(case) -> None:
     for layer in range(shape.num_layers):
         counts = p.logical_replica_count(layer)
         assert counts.min() >= 1  # every logical expert present
-        assert counts.tolist() == replica_counts(load[layer], shape.num_physical(ep_size), ep_size).tolist()
-        if shape.num_local_experts <= shape.num_logical_experts:  # duplicates are avoidable
-            assert counts.max() <= ep_size
-            for rank in range(ep_size):
-                ids = p.local(rank, layer)
-                assert len(set(ids)) == len(ids), (rank, layer, ids)
+        assert counts.tolist() == replica_counts(load[layer], shape.num_physical(ep_size)).tolist()
     assert 0.0 < balancedness(load, p) <= 1.0
+
+
+@st.composite
+def grouped_cases(draw):
+    num_nodes = draw(st.integers(1, 4))
+    groups = num_nodes * draw(st.integers(1, 3))
+    group_size = draw(st.integers(1, 3))
+    num_logical = groups * group_size
+    ranks_per_node = draw(st.integers(1, 3))
+    ep_size = num_nodes * ranks_per_node
+    num_local = draw(st.integers(-(-num_logical // ep_size), -(-num_logical // ep_size) + 2))
+    shape = ModelShape(1, num_logical, num_local, num_expert_groups=groups)
+    load = np.array([draw(st.lists(st.integers(0, 1000), min_size=num_logical, max_size=num_logical))])
+    return shape, ep_size, num_nodes, load
+
+
+@settings(max_examples=80, deadline=None)
+@given(grouped_cases())
+def test_hierarchical_keeps_groups_on_their_node(case) -> None:
+    """Every expert of a group, and every replica of it, sits on one node; each node holds whole groups, as many
+    as any other node; and each node's replica counts follow the greedy rule over its own experts: every extra
+    replica went to an expert at least as loaded per replica as any expert ends up."""
+    shape, ep_size, num_nodes, load = case
+    p = rebalance(load, shape, ep_size, num_nodes=num_nodes)
+    assert p == rebalance(load.copy(), shape, ep_size, num_nodes=num_nodes)
+    per_node = ep_size // num_nodes * shape.num_local_experts
+    group_size = shape.num_logical_experts // shape.num_expert_groups
+    rows = p.physical_to_logical[0].tolist()
+    node_of: dict[int, set[int]] = {}
+    for slot, e in enumerate(rows):
+        node_of.setdefault(e // group_size, set()).add(slot // per_node)
+    assert all(len(nodes) == 1 for nodes in node_of.values()), node_of
+    assert len(node_of) == shape.num_expert_groups  # every group (so every expert's group) is placed
+    for node in range(num_nodes):
+        held = rows[node * per_node:(node + 1) * per_node]
+        experts = sorted(set(held))
+        assert len(experts) == shape.num_logical_experts // num_nodes  # whole groups, equal shares
+        counts = {e: held.count(e) for e in experts}
+        final = max(load[0][e] / counts[e] for e in experts)
+        assert all(load[0][e] / (counts[e] - 1) >= final for e in experts if counts[e] > 1), counts
 
 
 @st.composite
