@@ -404,3 +404,47 @@ def test_long_serving_chunks_and_long_prepares_are_no_liveness_failure(overrides
     sc = load("steady" if "steps" in overrides else "scale-up")
     r = run_scenario(with_overrides(sc, **overrides))
     assert r.verdict == "pass", r.detail
+
+
+def test_the_load_window_holds_exactly_the_last_window_steps(monkeypatch) -> None:
+    """vLLM's load window is a ring buffer of ``window`` forward steps: at every periodic rebalance and the last one
+    the policy sees the load of exactly that many steps (serving splits its chunk where the window starts), which
+    is every routed token-slot of the group: window x tokens_per_step x top_k x ranks in every layer."""
+    from sim.cluster import Cluster
+    from sim.eplb import policy
+
+    sc = load("steady")
+    seen, real = [], policy.rebalance
+
+    def spy(load_, *args, **kwargs):
+        seen.append(int(load_.sum()))
+        return real(load_, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "rebalance", spy)
+    c = Cluster(sc, seed=0, strategy="shared-agent", profile="dram")
+    c.run()
+    serve_starts = {f["step"] for _, kind, f in c.kernel.history.records if kind == "engine.serve"}
+    rebalances = [f["step"] for _, kind, f in c.kernel.history.records if kind == "engine.rebalance"]
+    c.kernel.close()
+    window, s = sc.eplb.window, sc.serving
+    assert rebalances == [125, 625, 1125, 1625, 2125, 2625, 3000]
+    assert all(step - window in serve_starts for step in rebalances if step > window)
+    per_step = s.tokens_per_step * s.top_k * sc.ranks * sc.model.layers
+    assert seen[1:] == [window * per_step] * (len(rebalances) - 1)
+    assert seen[0] == 125 * per_step  # the first comes before a window has passed
+
+
+def test_routed_shares_never_exceed_one_over_top_k() -> None:
+    """A token routes to top_k distinct experts, so no expert gets more than 1/top_k of the token-slots; below the
+    cap the shares keep the popularity's proportions."""
+    import numpy as np
+
+    from sim.engine import routed_shares
+
+    zipf = np.arange(1, 257, dtype=np.float64) ** -1.2
+    shares = routed_shares(zipf, 8)
+    assert shares.sum() == pytest.approx(1.0) and shares.max() == pytest.approx(1 / 8)
+    assert (shares[:2] == pytest.approx(1 / 8)) and shares[2] < 1 / 8  # DeepSeek-V3's skew caps two experts
+    assert shares[5] / shares[9] == pytest.approx(zipf[5] / zipf[9])
+    assert routed_shares(zipf[:8], 2) == pytest.approx(zipf[:8] / zipf[:8].sum())  # under the cap: unchanged
+    assert routed_shares(np.ones(4), 4) == pytest.approx([0.25] * 4)
