@@ -3,6 +3,10 @@ and every message says how to fix the problem; the CLI prints it as one line and
 
 from __future__ import annotations
 
+import re
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
 
 class EpsimError(Exception):
     """Base of every error epsim raises on purpose."""
@@ -31,6 +35,17 @@ class BadOutput(EpsimError, ValueError):
 def one_line(text: str) -> str:
     """``text`` with its line breaks as spaces: an error quotes paths and names, which may hold one."""
     return " ".join(text.splitlines())
+
+
+def no_addresses(text: str) -> str:
+    """``text`` with memory addresses (``<Foo object at 0x7f..>`` in a repr) as ``0x…``: what goes into a run's
+    history must be the same in every process for the same seed."""
+    return _ADDRESS.sub("0x…", text)
+
+
+def exception_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception as a run's history and verdict keep it: no memory addresses."""
+    return no_addresses(f"{type(exc).__name__}: {exc}")
 
 
 def validation_line(exc) -> str:

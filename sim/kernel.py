@@ -16,6 +16,7 @@ import functools
 import gc
 import itertools
 import operator
+import random
 import sys
 import time
 import uuid
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator
 import simpy
 from greenlet import GreenletExit, greenlet
 
+from .errors import exception_line, no_addresses
 from .rng import Streams, Tape
 from .trace import History
 
@@ -89,6 +91,7 @@ class Kernel:
         self.threads: list[SimThread] = []
         self.crashes: list[tuple[SimThread, BaseException]] = []
         self.unraisable: list[tuple[str, BaseException]] = []
+        self._random_state: Any = None  # the random module's state between run()s of this world
         self.stop_on_crash = stop_on_crash
         self._current: SimThread | None = None
         self._hub: greenlet | None = None
@@ -173,7 +176,7 @@ class Kernel:
         th.state, th.exception = "failed", exc
         th.done.succeed(None)
         self.crashes.append((th, exc))
-        self.history.record("thread.crash", thread=th.name, pid=th.pid, error=f"{type(exc).__name__}: {exc}")
+        self.history.record("thread.crash", thread=th.name, pid=th.pid, error=exception_line(exc))
         if self.stop_on_crash:
             self.halt()
 
@@ -249,10 +252,14 @@ class Kernel:
     # -- determinism ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def deterministic(self) -> Iterator[None]:
-        """While the world runs: no automatic garbage collection, simulated time for code in simulated threads,
-        seeded UUIDs, and finalizer exceptions recorded instead of printed."""
+        """While the world runs: no automatic garbage collection, simulated time for code in simulated threads
+        (``time.sleep``, ``monotonic``, ``perf_counter``, ``time`` and their ``_ns`` forms), seeded UUIDs, a seeded
+        ``random`` module, and finalizer exceptions recorded instead of printed.  Left to the machine: ``os.urandom``
+        and ``secrets``, ``uuid.uuid1``, ``datetime.now`` and numpy's or torch's global generators; code under test
+        that draws from them makes its run differ between processes (``--check-determinism`` shows it)."""
         kernel = self
-        real = {name: getattr(time, name) for name in ("sleep", "monotonic", "time", "perf_counter")}
+        real = {name: getattr(time, name) for name in ("sleep", "monotonic", "time", "perf_counter", "monotonic_ns",
+                                                       "time_ns", "perf_counter_ns")}
         real_uuid4 = uuid.uuid4
         uuids = self.streams.get("uuid")
         real_hook = sys.unraisablehook
@@ -269,8 +276,14 @@ class Kernel:
                 return base + kernel.env.now if kernel._current is not None else real[name]()
             return now
 
+        def clock_ns(name: str, base: float) -> Callable[[], int]:
+            def now() -> int:
+                return round((base + kernel.env.now) * 1e9) if kernel._current is not None else real[name]()
+            return now
+
         def unraisable(info) -> None:
-            where = getattr(info.object, "__qualname__", None) or repr(info.object)
+            # A finalizer's name; a weakref.finalize or a partial has none, and its repr holds an address.
+            where = getattr(info.object, "__qualname__", None) or no_addresses(repr(info.object))
             # Kept without tracebacks: a traceback's frames hold the finalizer's locals (self, its agent), which
             # Python's own hook lets go once it has printed them; keeping them here made a leak of a clean exit.
             exc, seen = info.exc_value, set()
@@ -279,19 +292,30 @@ class Kernel:
                 exc.__traceback__ = None
                 exc = exc.__cause__ or exc.__context__
             kernel.unraisable.append((str(where), info.exc_value))
-            kernel.history.record("finalizer.error", where=str(where),
-                                  error=f"{type(info.exc_value).__name__}: {info.exc_value}")
+            kernel.history.record("finalizer.error", where=str(where), error=exception_line(info.exc_value))
 
         gc.disable()
         time.sleep = sim_sleep
         time.monotonic = clock("monotonic", 1000.0)
         time.perf_counter = clock("perf_counter", 1000.0)
         time.time = clock("time", 1.7e9)
+        time.monotonic_ns = clock_ns("monotonic_ns", 1000.0)
+        time.perf_counter_ns = clock_ns("perf_counter_ns", 1000.0)
+        time.time_ns = clock_ns("time_ns", 1.7e9)
         uuid.uuid4 = lambda: uuid.UUID(int=uuids.getrandbits(128), version=4)
         sys.unraisablehook = unraisable
+        # The random module: seeded from the run's seed on the first run(), carried over to a later one, and the
+        # caller's state put back after.
+        outside = random.getstate()
+        if self._random_state is None:
+            random.seed(self.streams.get("random", record=False).raw().getrandbits(64))
+        else:
+            random.setstate(self._random_state)
         try:
             yield
         finally:
+            self._random_state = random.getstate()
+            random.setstate(outside)
             for name, fn in real.items():
                 setattr(time, name, fn)
             uuid.uuid4 = real_uuid4

@@ -29,6 +29,8 @@ from typing import Any
 
 from fakes.nixl._spans import SpanIndex
 
+from .errors import exception_line
+
 
 @dataclass
 class Problem:
@@ -204,7 +206,7 @@ class Oracles:
         if isinstance(exc, CollectiveTimeout):
             self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index, now))
         else:
-            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {type(exc).__name__}: {exc}",
+            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {exception_line(exc)}",
                                          index, now))
 
     def stuck(self, detail: str) -> None:
