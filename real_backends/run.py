@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from sim import faults as fault_catalogue
+from sim.outputs import write_run_files
 from sim.run import Result, signature
 
 from .cluster import RealCluster
@@ -42,11 +43,9 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
                     dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated))
     result.spans = _spans(cluster.spans, history)
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        history.write_jsonl(out / "history.jsonl")
-        history.write_perfetto(out / "trace.perfetto.json")
-        (out / "result.json").write_text(json.dumps(result.to_dict()) + "\n")
+        write_run_files(out, {"history.jsonl": history.write_jsonl,
+                              "trace.perfetto.json": history.write_perfetto,
+                              "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n")}, result)
     return result
 
 

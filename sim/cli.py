@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 from . import __version__
 from .errors import BadOutput, EpsimError, ScenarioError, one_line
-from .outputs import bundle_dir, writable_dir, writable_file
+from .outputs import OutputFailed, bundle_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
 
@@ -103,11 +103,18 @@ def run(
             raise typer.Exit(serve_slot())
 
     if out is not None:
+        if (Path(out) / "failure.json").is_file():
+            raise BadOutput(f"--out {out}: that is a failure bundle, whose history and tape the run would replace; "
+                            f"give another directory")
         writable_dir(out, "--out")  # before the run: a bad path costs one line, not the run
-    result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
-                                       out=out, check_determinism=check_determinism, overrides=overrides,
-                                       backend=backend, device=device, timeout_s=timeout, calibration=calibration,
-                                       ranks_per_host=ranks_per_host)
+    try:
+        result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
+                                           out=out, check_determinism=check_determinism, overrides=overrides,
+                                           backend=backend, device=device, timeout_s=timeout,
+                                           calibration=calibration, ranks_per_host=ranks_per_host)
+    except OutputFailed as exc:  # the run finished: its result first, then the one line about its files
+        typer.echo(json.dumps(exc.result.to_dict()) if as_json else runner.summary(exc.result, None))
+        raise
     payload = result.to_dict()
     if again is not None:
         payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}

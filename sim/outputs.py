@@ -7,14 +7,49 @@ answer is the path, made if missing, or :class:`~sim.errors.BadOutput` naming th
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from .errors import BadOutput
 
 # What a run writes into its --out folder (sim/run.py, real_backends/run.py) and a bundle holds beside failure.json.
 RUN_FILES = ("history.jsonl", "trace.perfetto.json", "tape.json", "result.json")
+
+
+class OutputFailed(BadOutput):
+    """A finished run whose files could not all be written: the result is kept, to be printed before the error."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], None]], result: Any) -> None:
+    """A run's files into ``out``: each written under a temporary name and then moved over the old one, so a failed
+    write (a full disk) leaves the earlier file whole; the run files this run does not make are removed, so that a
+    folder never mixes two runs (a real run writes no tape).  An error is :class:`OutputFailed`, carrying
+    ``result``."""
+    out = Path(out)
+    part = None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            part = out / f".{name}.part"
+            write(part)
+            os.replace(part, out / name)
+            part = None
+        for name in RUN_FILES:
+            if name not in writers:
+                (out / name).unlink(missing_ok=True)
+    except OSError as exc:
+        if part is not None:
+            with contextlib.suppress(OSError):  # what could not be written may not be removable either
+                part.unlink(missing_ok=True)
+        raise OutputFailed(f"--out {out}: could not write the run's files ({exc.strerror or exc}); the run's "
+                           f"result is printed above", result) from None
 
 
 def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES, *, make: bool = True) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 from . import faults as fault_catalogue
 from .cluster import Cluster
 from .errors import ScenarioError
+from .outputs import write_run_files
 
 
 @dataclass
@@ -107,14 +108,18 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
         wall = time.perf_counter() - started
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
         result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
-        if out is not None:
-            out = Path(out)
-            out.mkdir(parents=True, exist_ok=True)
-            cluster.kernel.history.write_jsonl(out / "history.jsonl")
-            cluster.kernel.history.write_perfetto(out / "trace.perfetto.json")
-            tape = cluster.kernel.streams.tape.entries
-            (out / "tape.json").write_text(json.dumps({"seed": seed, "decisions": tape}, default=str) + "\n")
-        cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
+        try:
+            if out is not None:
+                history, tape = cluster.kernel.history, cluster.kernel.streams.tape.entries
+                write_run_files(out, {
+                    "history.jsonl": history.write_jsonl,
+                    "trace.perfetto.json": history.write_perfetto,
+                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": tape}, default=str)
+                                                        + "\n"),
+                    "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
+                }, result)
+        finally:
+            cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
     return result
 
 

@@ -114,6 +114,37 @@ def test_output_paths_name_what_is_wrong(tmp_path) -> None:
     assert not list((tmp_path / "new" / "deeper").iterdir())  # the probe leaves nothing behind
 
 
+def test_a_run_whose_files_cannot_be_written_prints_its_result_then_one_line(tmp_path) -> None:
+    """Found by review: a write error after the run (a full disk) lost the verdict in a traceback and exited 1.  Now
+    the result comes first, then one line, exit 2; the files already there stay whole."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "history.jsonl").write_text("an earlier run\n")
+    (out / ".trace.perfetto.json.part").mkdir()  # where the trace is written first: writing it fails
+    done = epsim_here("run", "steady", "--out", str(out), "--json")
+    assert done.returncode == 2, done.stderr
+    assert json.loads(done.stdout)["verdict"] == "pass"
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"epsim: error: --out {out}: could not write the run's files") and "above" in line
+    assert (out / "history.jsonl").read_text() != "an earlier run\n"  # written whole before the failure
+    assert not (out / "trace.perfetto.json").exists()
+
+
+def test_run_files_never_mix_two_runs_and_a_bundle_is_not_overwritten(tmp_path) -> None:
+    from sim.outputs import write_run_files
+
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in ("tape.json", "result.json", "notes.txt"):
+        (out / name).write_text("old")
+    write_run_files(out, {"history.jsonl": lambda p: p.write_text("h"), "result.json": lambda p: p.write_text("r")},
+                    result=None)  # a real run writes no tape: an older run's tape goes
+    assert sorted(p.name for p in out.iterdir()) == ["history.jsonl", "notes.txt", "result.json"]
+    assert (out / "result.json").read_text() == "r" and (out / "notes.txt").read_text() == "old"
+    done = epsim_here("run", "steady", "--out", "tests/corpus/broken-finalizer-gc-late")
+    assert done.returncode == 2 and "that is a failure bundle" in done.stderr and not done.stdout.strip()
+
+
 @pytest.mark.parametrize("fault, message", [
     ("gc.late:delay_s=abc", "fault gc.late: delay_s='abc' must be a number of seconds >= 0"),
     ("gc.late:delay_s=-1", "fault gc.late: delay_s=-1 must be a number of seconds >= 0"),
