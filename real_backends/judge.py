@@ -33,6 +33,7 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
     history = History(lambda: clock[0])
     oracles = Oracles(SimpleNamespace(kernel=SimpleNamespace(history=history)))
     by_name: dict[str, str] = {}  # agent name -> the connection that carries it now
+    leaked: dict[str, int] = {}  # agent alive at its rank's exit, held by nothing on purpose -> its registrations
     for t, _, _, kind, fields in sorted(events, key=lambda e: (e[0], e[1], e[2])):
         clock[0] = t - t0
         if kind in LEDGER:
@@ -44,6 +45,8 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
             history.record(kind, **fields)
             if kind in ("process.exit", "process.kill"):
                 _process_gone(oracles, history, fields["pid"])
+            elif kind == "worker.exit":
+                leaked.update((c, len(oracles.live[c])) for c in fields.get("leaked", ()) if c in oracles.live)
             elif kind == "engine.reconfigured":
                 oracles.reconfiguration_complete(fields["members"])
             elif kind == "eplb.checked" and fields["count"]:
@@ -51,6 +54,8 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
     for detail in stuck:
         oracles.stuck(detail)
     if completed and not oracles.problems:
+        for conn, registrations in sorted(leaked.items())[:1]:  # the simulation's check, at each rank's exit
+            oracles.leaked(conn, registrations)
         oracles.after_shutdown()
     return history, oracles
 

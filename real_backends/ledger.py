@@ -12,10 +12,12 @@ with the same memory registered again (the ``peer.restart`` fault, done for real
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sys
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -83,13 +85,21 @@ class LedgerAgent:
         inner = self.__dict__.get("_inner")
         if inner is None:
             raise AttributeError(attr)
-        return getattr(inner, attr)
+        value = getattr(inner, attr)
+        if not callable(value) or attr in _NO_AGENT_CALL:
+            return value
+
+        def call(*args: Any, **kw: Any) -> Any:  # an agent call like any other (get_agent_metadata, ...)
+            self._note_thread()
+            return value(*args, **kw)
+        return call
 
     # -- memory -------------------------------------------------------------------------------------------------
     def _as_reg(self, descs: Any, mem_type: Any) -> Any:
         return descs if hasattr(descs, "descCount") else self._inner.get_reg_descs(descs, mem_type)
 
     def register_memory(self, reg_list: Any, mem_type: Any = None, backends: Any = ()) -> Any:
+        self._note_thread()
         descs = self._as_reg(reg_list, mem_type)
         out = self._inner.register_memory(descs, mem_type, list(backends)) if backends else \
             self._inner.register_memory(descs, mem_type)
@@ -98,6 +108,7 @@ class LedgerAgent:
         return out
 
     def deregister_memory(self, dereg_list: Any, backends: Any = ()) -> None:
+        self._note_thread()
         descs = self._as_reg(dereg_list, None)
         spans = _spans(descs)
         try:
@@ -114,17 +125,20 @@ class LedgerAgent:
 
     # -- peers --------------------------------------------------------------------------------------------------
     def add_remote_agent(self, metadata: bytes) -> Any:
+        self._note_thread()
         name = self._inner.add_remote_agent(metadata)
         peer = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
         self._emit("peer.load", conn=self.conn, agent=self._name, pid=self._pid, peer=peer)
         return name
 
     def remove_remote_agent(self, agent: str) -> None:
+        self._note_thread()
         self._inner.remove_remote_agent(agent)
         self._emit("peer.remove", conn=self.conn, agent=self._name, pid=self._pid, peer=str(agent))
 
     # -- transfers ----------------------------------------------------------------------------------------------
     def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Any = None, *args: Any, **kw: Any) -> Any:
+        self._note_thread()
         handle = self._inner.prep_xfer_dlist(agent_name, xfer_list, mem_type, *args, **kw)
         descs = xfer_list if hasattr(xfer_list, "descCount") else self._inner.get_xfer_descs(xfer_list, mem_type)
         target = self._name if agent_name in ("", "NIXL_INIT_AGENT") else str(agent_name)
@@ -132,11 +146,13 @@ class LedgerAgent:
         return handle
 
     def release_dlist_handle(self, handle: Any) -> None:
+        self._note_thread()
         self._dlists.pop(id(handle), None)
         self._inner.release_dlist_handle(handle)
 
     def make_prepped_xfer(self, operation: str, local_xfer_side: Any, local_indices: Any, remote_xfer_side: Any,
                           remote_indices: Any, *args: Any, **kw: Any) -> Any:
+        self._note_thread()
         handle = self._inner.make_prepped_xfer(operation, local_xfer_side, local_indices, remote_xfer_side,
                                                remote_indices, *args, **kw)
         _, local = self._dlists.get(id(local_xfer_side), ("", []))
@@ -147,6 +163,7 @@ class LedgerAgent:
 
     def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,
                         *args: Any, **kw: Any) -> Any:
+        self._note_thread()
         handle = self._inner.initialize_xfer(operation, local_descs, remote_descs, remote_agent, *args, **kw)
         self._xfers[id(handle)] = (str(operation), str(remote_agent), _spans(local_descs), _spans(remote_descs))
         return handle
@@ -172,6 +189,7 @@ class LedgerAgent:
         return state
 
     def release_xfer_handle(self, handle: Any, *args: Any, **kw: Any) -> None:
+        self._note_thread()
         self._open.pop(id(handle), None)
         self._xfers.pop(id(handle), None)
         self._inner.release_xfer_handle(handle, *args, **kw)
@@ -186,7 +204,9 @@ class LedgerAgent:
                    local=local, remote=remote, nbytes=sum(n for _, n in remote))
 
     def _note_thread(self) -> None:
-        """NIXL 1.5.1 agents run without thread safety: another thread's call while requests are open races."""
+        """NIXL 1.5.1 agents run without thread safety: another thread's call while requests are open races.  Every
+        call into the agent checks it, as the fake's does (found by review: only transfer and check_xfer_state
+        did, so a finalizer deregistering on another thread went unseen)."""
         if self._raced:
             return
         me = threading.current_thread().name
@@ -198,9 +218,40 @@ class LedgerAgent:
                        open=sum(1 for t in holders if t != me))
 
 
+# Helpers that build descriptor lists in Python and make no call into the agent (the fake's bindings see none).
+_NO_AGENT_CALL = frozenset({"get_reg_descs", "get_xfer_descs"})
+
+
 def live_agents() -> list[LedgerAgent]:
     """This process's agents that are still alive, oldest first."""
     return sorted((a for a in LedgerAgent._live if a._inner is not None), key=lambda a: int(a.conn.split("/")[1]))
+
+
+def agents_held_only_by(roots: list[Any]) -> set[int]:
+    """``id`` of every live agent that ``roots`` hold and nothing else does: what would die if the roots were let go
+    (the simulation finalizes gc.never's objects before its leak check; a real process does that at its exit, too
+    late to report).  Reachability follows containers and instance attributes, not classes, modules or functions:
+    through a function's globals everything is reachable."""
+    agents = {id(a): a for a in live_agents()}
+    seen: set[int] = set()
+    found = []
+    todo = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
+            continue
+        seen.add(id(obj))
+        if id(obj) in agents:
+            found.append(obj)
+            continue
+        todo.extend(gc.get_referents(obj))
+    mine = {id(todo), id(found), id(agents)}  # this function's own lists refer to the agents too
+    return {id(a) for a in found
+            if all(id(r) in seen or id(r) in mine or isinstance(r, types.FrameType) for r in gc.get_referrers(a))}
+
+
+_NOT_FOLLOWED = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                 types.FrameType, types.CodeType)
 
 
 def install(emit: Emit, pid: int) -> None:

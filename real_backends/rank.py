@@ -143,6 +143,7 @@ class RealWorker:
         self.async_thread: threading.Thread | None = None
         self.step = 0
         self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
+        self.fault_holders: list[list] = []  # the lists through which a GC fault holds a dropped communicator
         self._rows = move.RowViews()
         self._rearrange_started = 0.0
 
@@ -290,7 +291,12 @@ class RealWorker:
             self.drop(comm, "communicator at exit")
         del comm
         gc.collect()  # the interpreter's last collections at exit; gc.never objects are still referenced
-        self.history("worker.exit")
+        # What the simulation calls a leak: an agent alive now that no GC fault holds on purpose (gc.never, a
+        # gc.late still waiting: the simulation finalizes those at interpreter shutdown, before its leak check).
+        from . import ledger
+
+        held = ledger.agents_held_only_by(_IMMORTAL + [h for h in self.fault_holders if h])
+        self.history("worker.exit", leaked=[a.conn for a in ledger.live_agents() if id(a) not in held])
 
     # -- dropping a communicator: refcounting, or a GC fault done for real ---------------------------------------
     def drop(self, obj: Any, what: str) -> None:
@@ -302,6 +308,7 @@ class RealWorker:
             return  # the caller's `del` is the last reference: finalized right there, on the caller's thread
         holder = [obj]
         del obj
+        self.fault_holders.append(holder)
         if how == "gc.late":
             delay = float(fault.get("delay_s", 1.0))
             self.run_thread(f"gc-late@{self.pid}", self._release_later, holder, delay, what)

@@ -189,10 +189,14 @@ class Oracles:
 
     def after_shutdown(self) -> None:
         for conn, ranges in sorted(self.live.items()):
-            self._problem("safety", "leak", f"agent {self.agent_name.get(conn, conn)} of pid "
-                                            f"{self.agent_pid.get(conn)} is still alive after shutdown holding "
-                                            f"{len(ranges)} registrations")
+            self.leaked(conn, len(ranges))
             return
+
+    def leaked(self, conn: str, registrations: int) -> None:
+        """Agent ``conn`` outlived the shutdown holding ``registrations`` registrations (the real backend judges it
+        at its rank's exit, where the process still holds it)."""
+        self._problem("safety", "leak", f"agent {self.agent_name.get(conn, conn)} of pid {self.agent_pid.get(conn)} "
+                                        f"is still alive after shutdown holding {registrations} registrations")
 
     def buffer_leaked(self, pid: int, team: str, index: int, t: float) -> None:
         self.problems.append(Problem("safety", "leak", f"pid {pid}: DeepEP buffer {team} was dropped without "

@@ -5,6 +5,7 @@ NAME``), for tests/sim/test_oracle_mutants.py.
 ``deregisters_twice``: ``__del__`` releases everything, then deregisters the same memory again (error swallowed).
 ``raises_after_cleanup``: ``__del__`` releases everything, then raises (Python prints it and goes on).
 ``loads_peers_eagerly``: shared-agent that loads every peer when it is built and never removes one.
+``keeps_agents``: shared-agent that also parks every communicator's agent in a module-level list (a leak).
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ def raises_after_cleanup(group: Any, expert_weights: Any, expert_buffer: Any, pr
 
 def loads_peers_eagerly(group: Any, expert_weights: Any, expert_buffer: Any, prev_communicator: Any = None) -> Any:
     return _LoadsPeersEagerly(group, expert_weights, expert_buffer, prev_communicator)
+
+
+_KEPT: list[Any] = []
+
+
+def keeps_agents(group: Any, expert_weights: Any, expert_buffer: Any, prev_communicator: Any = None) -> Any:
+    comm = SharedAgentNixlCommunicator(group, expert_weights, expert_buffer, prev_communicator)
+    _KEPT.append(comm.nixl_wrapper)
+    return comm
