@@ -44,7 +44,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     result.spans = _spans(cluster.spans, history)
     if out is not None:
         write_run_files(out, {"history.jsonl": history.write_jsonl,
-                              "trace.perfetto.json": history.write_perfetto,
+                              "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
                               "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n")}, result)
     return result
 

@@ -222,6 +222,22 @@ class Replay:
     def reproduced(self) -> bool:
         return self.same_signature and self.same_trace
 
+    def tape_divergence(self) -> str | None:
+        """Where the replay's decisions first differ from the bundle's tape (``tape.json``), or None: the first
+        decision that differs says which component's choices changed (a fault's, the collector's, a UUID)."""
+        path = self.bundle.path / "tape.json"
+        if not path.is_file():
+            return None
+        recorded = json.loads(path.read_text()).get("decisions", [])
+        now = json.loads(json.dumps(getattr(self.result, "tape", []), default=str))
+        for i, (was, is_) in enumerate(zip(recorded, now)):
+            if was != is_:
+                return f"decision {i + 1} of {len(recorded)}: the tape has {was[0]} {was[1]} {was[2]}, the replay " \
+                       f"drew {is_[0]} {is_[1]} {is_[2]}"
+        if len(recorded) != len(now):
+            return f"the tape has {len(recorded)} decisions, the replay made {len(now)}"
+        return None
+
 
 def replay(path: str | Path, out: str | Path | None = None) -> Replay:
     from .run import run_scenario

@@ -352,9 +352,11 @@ def replay(
         writable_dir(out, "--out")
     rep = bundle_mod.replay(bundle, out)
     exp, r = rep.bundle.expected, rep.result
+    tape = rep.tape_divergence()
     payload = {"bundle": bundle, "reproduced": rep.reproduced, "signature": r.signature,
                "expected_signature": exp["signature"], "trace_hash": r.trace_hash,
-               "expected_trace_hash": exp["trace_hash"], "verdict": r.verdict, "detail": r.detail}
+               "expected_trace_hash": exp["trace_hash"], "verdict": r.verdict, "detail": r.detail,
+               "tape_divergence": tape}
     if as_json:
         typer.echo(json.dumps(payload))
     else:
@@ -362,6 +364,8 @@ def replay(
                    f"(expected {exp['signature']}), trace {r.trace_hash} (expected {exp['trace_hash']})")
         if r.detail:
             typer.echo(f"detail: {r.detail}")
+        if tape:
+            typer.echo(f"tape: {tape}")
     if not rep.reproduced:
         raise typer.Exit(1)
 

@@ -108,12 +108,13 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
         wall = time.perf_counter() - started
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
         result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
+        result.tape = cluster.kernel.streams.tape.entries  # not a field: replay reads it, --json does not print it
         try:
             if out is not None:
                 history, tape = cluster.kernel.history, cluster.kernel.streams.tape.entries
                 write_run_files(out, {
                     "history.jsonl": history.write_jsonl,
-                    "trace.perfetto.json": history.write_perfetto,
+                    "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
                     "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": tape}, default=str)
                                                         + "\n"),
                     "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),

@@ -60,6 +60,9 @@ class Records(Sequence):
             yield self._t[i:i + size], self._kind[i:i + size], self._fields[i:i + size]
 
 
+ENGINE_TRACK = 1  # the Perfetto process track of records that belong to no simulated process (the engine's)
+
+
 class History:
     def __init__(self, now: Callable[[], float]) -> None:
         self._now = now
@@ -111,13 +114,29 @@ class History:
             for line in self.lines():
                 out.write(line + "\n")
 
-    def write_perfetto(self, path) -> None:
-        """Chrome trace-event JSON (opens in ui.perfetto.dev): one track per simulated process, instant events."""
-        events = []
+    def write_perfetto(self, path, spans=()) -> None:
+        """Chrome trace-event JSON (opens in ui.perfetto.dev): a named track per simulated process (pid ``p`` is
+        trace pid ``p + 2``: Perfetto treats pid 0 specially) and one for the engine (trace pid 1), a thread track
+        per named simulated thread, every record an instant event; ``spans`` (what, start s, end s: rebalances and
+        reconfigurations) become slices on the engine's lifecycle track."""
+        events: list[dict[str, Any]] = []
+        names: dict[int, str] = {ENGINE_TRACK: "engine"}
+        tids: dict[tuple[int, str], int] = {(ENGINE_TRACK, "lifecycle"): 1}
         for t, kind, fields in self.records:
-            pid = fields.get("pid", fields.get("rank", -1))
-            events.append({"name": kind, "ph": "i", "s": "t", "ts": t * 1e6, "pid": pid if isinstance(pid, int) else -1,
-                           "tid": 0, "args": {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                              for k, v in fields.items()}})
+            pid = fields.get("pid")
+            track = pid + 2 if isinstance(pid, int) and not isinstance(pid, bool) and pid >= 0 else ENGINE_TRACK
+            names.setdefault(track, f"pid {pid}")
+            thread = fields.get("thread")
+            tid = tids.setdefault((track, thread), len(tids) + 1) if isinstance(thread, str) else 0
+            events.append({"name": kind, "ph": "i", "s": "t", "ts": t * 1e6, "pid": track, "tid": tid,
+                           "args": {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                    for k, v in fields.items()}})
+        for what, start, end in spans:
+            events.append({"name": what, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
+                           "pid": ENGINE_TRACK, "tid": 1})
+        meta = [{"name": "process_name", "ph": "M", "pid": track, "tid": 0, "args": {"name": name}}
+                for track, name in sorted(names.items())]
+        meta += [{"name": "thread_name", "ph": "M", "pid": track, "tid": tid, "args": {"name": thread}}
+                 for (track, thread), tid in tids.items()]
         with open(path, "w") as out:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
+            json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, out)

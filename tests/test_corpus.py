@@ -27,3 +27,25 @@ def test_corpus_bundle_replays(path: Path) -> None:
     assert rep.result.trace_hash == expected["trace_hash"], f"history changed; replay with {rep.bundle.data['replay']}"
     c = rep.bundle.config
     assert len(c["faults"]) <= 3 and c["elastic_events"] <= 1  # shrunk
+
+
+def test_replay_reads_the_tape_and_names_the_first_decision_that_differs(tmp_path) -> None:
+    """DESIGN: replay reads the tape.  A bundle's recorded decisions are compared with the replay's; an untouched
+    bundle has none that differ, and a changed one is named with its stream and value."""
+    import json
+    import shutil
+
+    src = Path("tests/corpus/broken-finalizer-gc-late")
+    assert bundle.replay(src).tape_divergence() is None
+    copy = tmp_path / "b"
+    shutil.copytree(src, copy)
+    tape = json.loads((copy / "tape.json").read_text())
+    drawn = tape["decisions"][1][2]
+    tape["decisions"][1][2] = drawn + 1
+    (copy / "tape.json").write_text(json.dumps(tape))
+    found = bundle.replay(copy).tape_divergence()
+    n = len(tape["decisions"])
+    assert found == f"decision 2 of {n}: the tape has uuid bits {drawn + 1}, the replay drew uuid bits {drawn}"
+    tape["decisions"].append(["uuid", "bits", 1])
+    (copy / "tape.json").write_text(json.dumps({"seed": 3, "decisions": tape["decisions"][:1]}))
+    assert bundle.replay(copy).tape_divergence() == f"the tape has 1 decisions, the replay made {n}"

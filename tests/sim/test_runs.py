@@ -197,8 +197,15 @@ def test_run_writes_history_and_perfetto_trace(tmp_path) -> None:
     r = run("steady", strategy="shared-agent", out=tmp_path)
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
     assert len(lines) == r.events and json.loads(lines[0])["kind"] == "thread.start"
-    trace = json.loads((tmp_path / "trace.perfetto.json").read_text())
-    assert len(trace["traceEvents"]) == r.events
+    trace = json.loads((tmp_path / "trace.perfetto.json").read_text())["traceEvents"]
+    instants = [e for e in trace if e["ph"] == "i"]
+    assert len(instants) == r.events and all(e["pid"] >= 1 for e in trace)  # Perfetto treats pid 0 specially
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {1: "engine", 2: "pid 0", 3: "pid 1"}
+    assert {e["pid"] for e in instants if e["name"].startswith("engine.")} == {1}
+    slices = [(e["name"], e["pid"]) for e in trace if e["ph"] == "X"]
+    assert slices == [("rebalance", 1)] * len(r.spans) and len(r.spans) >= 6
+    assert all(e["dur"] >= 0 for e in trace if e["ph"] == "X")
 
 
 def test_overrides_keep_runs_small() -> None:
