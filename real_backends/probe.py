@@ -8,6 +8,7 @@ of their own (``--case NAME --raw``); a death by signal is observed as the signa
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -22,6 +23,15 @@ from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
 from fakes.nixl.profiles import PROFILES
 
 CASE_TIMEOUT_S = 180
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a catalogue child: Linux SIGKILLs it when the process that started it dies, so a killed
+    ``epsim validate`` or ``epsim conform`` leaves no catalogue (and no real NIXL agent) running behind it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's timeout still ends it
+        pass
 UNAVAILABLE = 3  # exit status when the chosen backend cannot be used here (missing library, no GPU)
 # UCX transports for the asynchronous ("tcp") cases.  cuda_copy stays in the list: a CUDA-enabled UCX needs it to
 # classify memory at registration, and without it registering even host memory fails with nixlBackendError
@@ -59,7 +69,8 @@ def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any
     cmd = [sys.executable, "-m", "real_backends.probe", "--case", name, "--backend", backend, "--profile", profile,
            "--memory", memory.lower(), "--raw"]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S,
+                              preexec_fn=die_with_parent)
     except subprocess.TimeoutExpired:
         return f"timeout after {CASE_TIMEOUT_S} s"
     if done.returncode < 0:

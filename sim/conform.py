@@ -13,7 +13,7 @@ from typing import Any
 
 from fakes.nixl.profiles import PROFILES
 
-from real_backends.probe import UNAVAILABLE
+from real_backends.probe import UNAVAILABLE, die_with_parent
 
 from .errors import BackendUnavailable, UnknownName
 
@@ -35,7 +35,11 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800)
     cmd = [sys.executable, "-m", "real_backends.probe", "--backend", backend, "--memory", memory, "--json"]
     if profile:
         cmd += ["--profile", profile]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=die_with_parent)
+    except subprocess.TimeoutExpired:
+        raise BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s") \
+            from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

@@ -278,3 +278,12 @@ def test_check_determinism_under_a_random_hash_seed(monkeypatch) -> None:
 def test_an_error_quoting_a_newline_stays_one_line(tmp_path) -> None:
     done = epsim_here("run", str(tmp_path / "no\nfile.yaml"))
     assert (done.returncode, done.stderr) == (2, f"epsim: error: {tmp_path}/no file.yaml: no such scenario file\n")
+
+
+def test_a_conformance_run_that_overruns_is_one_error() -> None:
+    """Found by review: subprocess's TimeoutExpired escaped as a traceback."""
+    from sim import conform
+    from sim.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="on fake NIXL did not finish within 0.01 s"):
+        conform.run("fake", None, "dram", timeout_s=0.01)
