@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__
-from .errors import BadOutput, EpsimError, ScenarioError, one_line
+from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line
 from .outputs import OutputFailed, bundle_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -538,6 +538,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except EpsimError as exc:
         print(f"epsim: error: {one_line(str(exc))}", file=sys.stderr)
         sys.exit(2)
+    except InternalError as exc:
+        print(f"epsim: internal error: {one_line(str(exc))}", file=sys.stderr)
+        sys.exit(3)
     if status == 130:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns here, silently
         print("epsim: interrupted", file=sys.stderr)
     _exit(status if isinstance(status, int) else 0, fast)

@@ -27,6 +27,8 @@ from .kernel import Kernel
 from .oracles import Oracles
 from .worker import Worker
 
+ENGINE_PID = -1  # the engine's simulated thread belongs to no rank: an exception there is epsim's own bug
+
 
 class NominalTimeModel(TimeModel):
     """Transfers take the time of the scenario's *nominal* expert size, not of the tiny rows the simulation moves."""
@@ -216,7 +218,7 @@ class Cluster(Engine):
     def _run(self) -> None:
         with fakes.installed(self.fabric), torch_dist.installed(), device.installed(self.streams, self.kernel), \
                 self._deep_ep():
-            self.kernel.spawn("engine", self.engine, pid=-1)
+            self.kernel.spawn("engine", self.engine, pid=ENGINE_PID)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.
         left = self.gc.shutdown()

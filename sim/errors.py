@@ -12,6 +12,11 @@ class EpsimError(Exception):
     """Base of every error epsim raises on purpose."""
 
 
+class InternalError(Exception):
+    """A bug in epsim itself (its engine failed), not in the code under test and not the user's input: no verdict,
+    exit status 3, and a sweep records an ``error`` row instead of a failure bundle."""
+
+
 class ScenarioError(EpsimError, ValueError):
     """A scenario file or option is invalid."""
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from . import faults as fault_catalogue
 from .cluster import Cluster
-from .errors import ScenarioError
+from .cluster import ENGINE_PID
+from .errors import InternalError, ScenarioError, exception_line
 from .outputs import write_run_files
 
 
@@ -106,6 +107,11 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
     with _quiet_fakes():
         cluster.run()
         wall = time.perf_counter() - started
+        for thread, exc in cluster.kernel.crashes:
+            if thread.pid == ENGINE_PID:
+                cluster.kernel.close()
+                raise InternalError(f"epsim's engine failed at {cluster.kernel.now():g} s simulated: "
+                                    f"{exception_line(exc)}; a bug in epsim, not in the code under test") from exc
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
         result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
         result.tape = cluster.kernel.streams.tape.entries  # not a field: replay reads it, --json does not print it

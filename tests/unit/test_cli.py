@@ -287,3 +287,22 @@ def test_a_conformance_run_that_overruns_is_one_error() -> None:
 
     with pytest.raises(BackendUnavailable, match="on fake NIXL did not finish within 0.01 s"):
         conform.run("fake", None, "dram", timeout_s=0.01)
+
+
+def test_a_bug_in_the_engine_is_an_internal_error_not_a_verdict(monkeypatch) -> None:
+    """Found by review: an exception in epsim's own engine read as the code under test crashing (verdict crash,
+    exit 1, and a sweep bundled it as a new failure).  Now: one line, exit 3; a sweep records an error row."""
+    from sim import sweep as sweep_mod
+    from sim.eplb import policy
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'ModelShape' object has no attribute 'num_expert_groups'")
+
+    monkeypatch.setattr(policy, "rebalance", broken)
+    done = epsim_here("run", "steady", "--json")
+    assert done.returncode == 3 and not done.stdout.strip()
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("epsim: internal error: epsim's engine failed at ") and "not in the code under test" in line
+    [spec] = sweep_mod.plan("steady", range(1), ["shared-agent"])
+    row = sweep_mod.execute(spec)
+    assert row["verdict"] == "error" and row["detail"].startswith("InternalError: epsim's engine failed")
