@@ -142,6 +142,8 @@ def run_validation(device: str = "cpu", quick: bool = False, timeout_s: float = 
         if on_case:
             on_case("NIXL behaviour catalogue", None)
         out["conformance"] = conformance(device)
+        if on_case:
+            on_case("NIXL behaviour catalogue", out["conformance"])
     cases = []
     for case in (c for c in CASES if (c.quick or not quick) and c.device in (None, device)):
         if on_case:

@@ -143,8 +143,19 @@ def validate(
     require_real(device)
 
     def progress(name: str, row) -> None:
+        # Each case's outcome as soon as it is known: an interrupted validation keeps what it found on stderr.
         if row is None:
             typer.echo(f"... {name}", err=True)
+        elif "cases" in row:  # the catalogue
+            fails = [c["name"] for c in row["cases"] if c["outcome"] == "fail"]
+            typer.echo(f"    {len(row['cases']) - len(fails)} of {len(row['cases'])} as profile {row['profile']} "
+                       f"predicts" + (f"; differ: {', '.join(fails)}" if fails else ""), err=True)
+        else:
+            sim, real = row["sim"], row["real"]
+            typer.echo(f"    {'agrees' if row['agree'] else 'DIFFERS'}: simulated {sim['verdict']}"
+                       f"{'/' + sim['invariant'] if sim['invariant'] else ''}, real {real['verdict']}"
+                       f"{'/' + real['invariant'] if real['invariant'] else ''}"
+                       + ("" if row["agree"] else f" ({'; '.join(row['differences'])})"), err=True)
 
     report = run_validation(device, quick, timeout, catalogue, on_case=progress)
     if as_json:

@@ -20,6 +20,11 @@ def test_quick_validation_agrees_with_the_simulation_on_every_case():
     assert done.returncode == 0, done.stderr[-2000:]
     verdicts = {c["case"]: c["real"]["verdict"] for c in report["cases"]}
     assert verdicts["rank-failure · shared-agent"] == "liveness"  # a killed rank, for real
+    # Each case's outcome is on stderr as soon as it is known (found by review: an interrupted validation lost
+    # every finished case): a line per case naming it, then one with both verdicts.
+    lines = done.stderr.splitlines()
+    assert sum(line.startswith("    agrees: simulated ") for line in lines) == len(quick)
+    assert "    agrees: simulated liveness/stuck, real liveness/stuck" in lines
     assert all(c["real"]["profile"] == "real-cpu" and c["sim"]["profile"] == "dram" for c in report["cases"])
 
 
