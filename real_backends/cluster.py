@@ -229,12 +229,17 @@ class RealCluster(Engine):
     def _join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
         # (busy_s: simulated serving time; a rank records a serving chunk's load at once)
         deadline = time.monotonic() + self.timeout_s
+        settled = False  # a dead rank seen: the others' answers already on their way are read once more first
         while not all(h.event.is_set() for h in pending.values()):
             if self.crashed:
                 return False
             # `alive` turns False only once the rank's end-of-stream is handled, after everything it sent before
             # it (a rank that answered and then exited is not dead to this command).
             dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].alive]
+            if dead and not settled:
+                settled = True
+                self._pump(0.2)
+                continue
             if dead or time.monotonic() > deadline:
                 late = [p for p, h in pending.items() if not h.event.is_set()]
                 why = f"pids {dead} exited" if dead else f"no answer within {self.timeout_s:g} s"

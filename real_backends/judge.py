@@ -34,6 +34,7 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
     oracles = Oracles(SimpleNamespace(kernel=SimpleNamespace(history=history)))
     by_name: dict[str, str] = {}  # agent name -> the connection that carries it now
     leaked: dict[str, int] = {}  # agent alive at its rank's exit, held by nothing on purpose -> its registrations
+    waits = iter(stuck)  # the parent's stuck details, in the order of its engine.stuck records
     for t, _, _, kind, fields in sorted(events, key=lambda e: (e[0], e[1], e[2])):
         clock[0] = t - t0
         if kind in LEDGER:
@@ -45,13 +46,17 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
             history.record(kind, **fields)
             if kind in ("process.exit", "process.kill"):
                 _process_gone(oracles, history, fields["pid"])
+            elif kind == "engine.stuck":  # judged where it happened, before whatever the teardown broke after it
+                detail = next(waits, None)
+                if detail is not None:
+                    oracles.stuck(detail)
             elif kind == "worker.exit":
                 leaked.update((c, len(oracles.live[c])) for c in fields.get("leaked", ()) if c in oracles.live)
             elif kind == "engine.reconfigured":
                 oracles.reconfiguration_complete(fields["members"])
             elif kind == "eplb.checked" and fields["count"]:
                 oracles.weights_checked(fields["pid"], fields["problems"] * fields["count"])
-    for detail in stuck:
+    for detail in waits:  # none left unless a record was lost
         oracles.stuck(detail)
     if completed and not oracles.problems:
         for conn, registrations in sorted(leaked.items())[:1]:  # the simulation's check, at each rank's exit

@@ -99,3 +99,15 @@ def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simul
     out = " ".join(capsys.readouterr().out.split())
     assert "the copy/READ race" in out
     assert "1 of 2 scenario cases agree; the copy/READ race without injected lag explains 1 more" in out
+
+
+def test_a_stuck_command_is_judged_where_it_happened_not_after_the_teardown():
+    """Found by review: the parent's stuck details were judged after the whole history, so a crash during the
+    teardown that followed (a survivor's collective failing once the stuck rank was killed) became the verdict."""
+    from real_backends.judge import judge
+
+    events = [(1.0, -1, 0, "engine.stuck", {"what": "serving", "pids": [1]}),
+              (2.0, 0, 1, "thread.crash", {"thread": "worker@0", "pid": 0, "type": "RuntimeError",
+                                           "error": "boom during teardown"})]
+    _, oracles = judge(events, 0.0, completed=False, stuck=["serving: no answer within 1 s; waiting for pids [1]"])
+    assert oracles.verdict() == ("liveness", "stuck", "serving: no answer within 1 s; waiting for pids [1]")
