@@ -145,6 +145,8 @@ def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 30
     sim = run_scenario(sc, strategy="shared-agent", profile=profile, calibration=calibration)
     real = run_real(sc, strategy="shared-agent", device=device, timeout_s=timeout_s)
     rows = []
+    # Spans are compared in order while both runs did the same thing; where they part (a run failed or stopped
+    # early), the comparison says so instead of ending silently.
     for (what, a, b), (what_r, c, d) in zip(sim.spans, real.spans):
         if what != what_r:
             break
@@ -156,5 +158,8 @@ def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 30
         errors = [r["error"] for r in rows if r["what"] == kind and r["error"] is not None]
         if errors:
             summary[kind] = {"count": len(errors), "median_error": round(statistics.median(errors), 3)}
+    complete = len(rows) == len(sim.spans) == len(real.spans) and sim.verdict == real.verdict == "pass"
     return {"scenario": f"{sc.name} 2->3, {ROW_FLOATS * 4 >> 20} MiB expert rows", "sim_verdict": sim.verdict,
-            "real_verdict": real.verdict, "spans": rows, "summary": summary}
+            "real_verdict": real.verdict, "real_detail": real.detail, "complete": complete,
+            "spans_simulated": len(sim.spans), "spans_measured": len(real.spans), "spans": rows,
+            "summary": summary}

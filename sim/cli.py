@@ -238,10 +238,15 @@ def calibrate(
         typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
     if compare:
         cmp = report["comparison"]
-        typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1)")
+        typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1); verdicts: "
+                   f"simulated {cmp['sim_verdict']}, real {cmp['real_verdict']}")
         for r in cmp["spans"]:
             error = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
             typer.echo(f"  {r['what']:12} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {error}")
+        if not cmp["complete"]:
+            typer.echo(f"  INCOMPLETE: {len(cmp['spans'])} of {cmp['spans_simulated']} simulated and "
+                       f"{cmp['spans_measured']} measured spans compared"
+                       + (f"; the real run: {cmp['real_detail']}" if cmp["real_detail"] else ""))
 
 
 @app.command()

@@ -65,6 +65,7 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     assert len(cal.points) == 6 and cal.memory == "DRAM"
     cmp = report["comparison"]
     assert cmp["sim_verdict"] == cmp["real_verdict"] == "pass"
+    assert cmp["complete"] and cmp["spans_simulated"] == cmp["spans_measured"] == len(cmp["spans"])
     kinds = [s["what"] for s in cmp["spans"]]
     assert "scale_up" in kinds and kinds.count("rebalance") >= 3
     assert all(s["measured_s"] > 0 and s["simulated_s"] > 0 for s in cmp["spans"])
@@ -72,3 +73,21 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     # the file drives a simulated run
     done = epsim("run", "scale-up", "--calibration", str(out), "--json")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_comparison_whose_real_run_failed_says_it_is_incomplete(monkeypatch):
+    """Found by review: a real run that failed cut the span table short without a word."""
+    import real_backends.calibrate as cal_mod
+    import real_backends.run as run_mod
+    import sim.run as sim_run
+
+    class _R:
+        def __init__(self, verdict, spans, detail=None):
+            self.verdict, self.spans, self.detail = verdict, spans, detail
+
+    spans = [["rebalance", 0.0, 1.0], ["scale_up", 1.0, 2.0], ["rebalance", 2.0, 3.0]]
+    monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R("pass", spans))
+    monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R("crash", spans[:1], "worker@1: boom"))
+    cmp = cal_mod.compare(cal_mod.Calibration.model_construct(), "cpu")
+    assert not cmp["complete"] and (cmp["spans_simulated"], cmp["spans_measured"], len(cmp["spans"])) == (3, 1, 1)
+    assert cmp["real_verdict"] == "crash" and cmp["real_detail"] == "worker@1: boom"
