@@ -55,6 +55,9 @@ def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -
                                    "(host-memory copies run when issued)")
 
 
+START_ALLOWANCE_S = 120.0  # what a rank process may take to start, on top of --timeout
+
+
 @dataclass
 class Handle:
     """A command posted to a rank: done when it replies (or when the run gives up on it)."""
@@ -228,7 +231,10 @@ class RealCluster(Engine):
 
     def _join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
         # (busy_s: simulated serving time; a rank records a serving chunk's load at once)
-        deadline = time.monotonic() + self.timeout_s
+        # A new rank's interpreter, torch and NIXL imports come before it can answer "start": not part of the
+        # per-command timeout (found by review: --timeout 0.5 made every run a start-up "stuck").
+        startup = START_ALLOWANCE_S if any(h.kind == "start" for h in pending.values()) else 0.0
+        deadline = time.monotonic() + self.timeout_s + startup
         settled = False  # a dead rank seen: the others' answers already on their way are read once more first
         while not all(h.event.is_set() for h in pending.values()):
             if self.crashed:

@@ -85,7 +85,8 @@ def run(
                                             "NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
     timeout: Optional[float] = typer.Option(None, min=0.001, help="real backend: seconds a rank may take to "
-                                                                 "answer one command (default 120)"),
+                                                                 "answer one command (default 120; a new rank's "
+                                                                 "start-up has 120 s more)"),
     calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
                                                          "`epsim calibrate --out FILE`"),
     ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,

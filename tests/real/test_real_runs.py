@@ -116,3 +116,9 @@ def test_a_leaked_agent_is_a_leak_on_real_ranks_as_in_the_simulation():
     plain, real_plain = both("scale-up", "--strategy", "shared-agent", "--fault", "gc.never")
     assert plain["verdict"] == real_plain["verdict"] == "pass", real_plain["detail"]
     assert real["faults_fired"] == sim["faults_fired"] == real_plain["faults_fired"] == {"gc.never": 2}
+
+
+def test_a_short_timeout_does_not_count_the_ranks_start_up():
+    """Found by review: --timeout also covered a rank's interpreter and imports, so a short one made a stuck run."""
+    r = run("steady", "--set", "steps=600", "--timeout", "2", backend="real")
+    assert r["verdict"] == "pass", r["detail"]
