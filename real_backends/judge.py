@@ -23,6 +23,8 @@ LEDGER = frozenset({"agent.create", "agent.destroy", "register", "deregister", "
                     "peer.remove", "xfer.post", "xfer.done", "agent.threads"})
 # A collective that fails because a member died is what the simulation calls a collective timeout: gloo notices
 # the closed connection at once instead of waiting out the timeout.
+COLLECTIVE_ERROR_TYPES = frozenset({"RuntimeError", "DistError", "DistBackendError", "DistNetworkError",
+                                    "DistStoreError", "TimeoutError"})
 COLLECTIVE_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Gloo",
                       "gloo", "Socket Timeout")
 
@@ -89,7 +91,9 @@ def _process_gone(oracles: Oracles, history: History, pid: int) -> None:
 
 def _crash(oracles: Oracles, history: History, f: dict[str, Any]) -> None:
     message = f"{f['thread']} (pid {f['pid']}): {f['type']}: {f['error']}"
-    if any(mark in f["error"] for mark in COLLECTIVE_FAILURE):
+    # Only torch.distributed's own errors: a strategy's exception that merely mentions gloo is a crash, as the
+    # simulation (which matches on the exception's type) calls it.
+    if f["type"] in COLLECTIVE_ERROR_TYPES and any(mark in f["error"] for mark in COLLECTIVE_FAILURE):
         oracles.problems.append(Problem("liveness", "collective_timeout", message, len(history), history.now()))
     else:
         oracles.problems.append(Problem("crash", "exception", message, len(history), history.now()))

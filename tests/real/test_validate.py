@@ -111,3 +111,15 @@ def test_a_stuck_command_is_judged_where_it_happened_not_after_the_teardown():
                                            "error": "boom during teardown"})]
     _, oracles = judge(events, 0.0, completed=False, stuck=["serving: no answer within 1 s; waiting for pids [1]"])
     assert oracles.verdict() == ("liveness", "stuck", "serving: no answer within 1 s; waiting for pids [1]")
+
+
+def test_only_torch_distributed_errors_read_as_a_collective_failure():
+    from real_backends.judge import judge
+
+    def verdict(kind: str, error: str):
+        events = [(1.0, 0, 0, "thread.crash", {"thread": "worker@0", "pid": 0, "type": kind, "error": error})]
+        return judge(events, 0.0, completed=False, stuck=[])[1].verdict()[:2]
+
+    assert verdict("DistBackendError", "Connection closed by peer [10.0.0.2]:1234") == ("liveness",
+                                                                                        "collective_timeout")
+    assert verdict("ValueError", "my strategy does not support Gloo groups") == ("crash", "exception")
