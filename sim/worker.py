@@ -291,5 +291,8 @@ class Worker:
             if buf is not None:
                 self.cluster.gc.drop(self.pid, buf, "all2all buffer at exit")
             del buf
+        # The interpreter's last collections at exit, as a real process's (and the real backend's rank) run them:
+        # a communicator a gc.cycle fault put in a cycle is finalized here, not lost with the process.
+        self.cluster.gc.collect(f"exit@{self.pid}", self.pid)
         self.alive = False
         self.history("worker.exit")

@@ -174,13 +174,13 @@ def test_gc_faults_change_where_the_old_communicator_dies() -> None:
              if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy")]
     c.kernel.close()
     # The first rank to commit (the tie-break's choice: pid 1) has its old communicator sit in a cycle until its
-    # own next planned collection (shutdown), not the other rank's commit; the other's is dropped by refcount and
-    # dies at once.
+    # own next planned collection (its exit at shutdown), not the other rank's commit; the other's is dropped by
+    # refcount and dies at once.
     assert kinds[:5] == [("gc.collect", None, "commit@1"), ("gc.drop", "gc.cycle", None),
                          ("gc.collect", None, "commit@0"), ("gc.drop", "refcount", None),
                          ("nixl.agent.destroy", None, None)]
-    shutdown = kinds.index(("gc.collect", None, "shutdown"))
-    assert kinds[shutdown + 1] == ("nixl.agent.destroy", None, None)  # pid 0's old agent, broken free at last
+    exit_1 = kinds.index(("gc.collect", None, "exit@1"))
+    assert kinds[exit_1 + 1] == ("nixl.agent.destroy", None, None)  # pid 1's old agent, broken free at last
 
 
 def test_bad_scenario_file_is_one_line_exit_2(tmp_path) -> None:
