@@ -11,6 +11,7 @@ each sequence is shrunk, and the size of the shrunk schedule (armed faults) is r
 
 from __future__ import annotations
 
+import queue
 import statistics
 import tempfile
 import time
@@ -37,9 +38,16 @@ def _plain(specs) -> float:
     answer = ctx.Queue()
     proc = ctx.Process(target=_plain_loop, args=(specs, answer))
     proc.start()
-    rate = answer.get()
-    proc.join()
-    return rate
+    try:
+        while True:  # a loop that died (killed, out of memory) must not leave `epsim bench` waiting for ever
+            try:
+                return answer.get(timeout=5)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the plain loop's process ended (exit status {proc.exitcode}) without a "
+                                       f"result") from None
+    finally:
+        proc.join(timeout=60)
 
 
 def _through(specs, engine) -> float:
