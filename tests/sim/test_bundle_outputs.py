@@ -166,3 +166,27 @@ def test_run_out_with_a_directory_where_a_file_goes_is_refused_before_the_run(tm
     (tmp_path / "history.jsonl").mkdir()
     line = _one_error_line(epsim_here("run", "steady", "--out", str(tmp_path)))
     assert "history.jsonl there is a directory" in line
+
+
+def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_path: Path) -> None:
+    """Two sweeps on one database: the second learns of the first's bundle when its own run fails the same way,
+    not only when it starts (found by review: both bundled every signature)."""
+    from sim import resultsdb
+    from sim import sweep as sweep_mod
+
+    specs = sweep_mod.plan("scale-down", range(2), ["shared-agent"])  # stale_peer on every seed
+
+    class OtherSweepFirst:
+        """Runs the specs; before handing over the first row, another sweep stores the same failure, bundled."""
+
+        def map(self, todo):
+            rows = [sweep_mod.execute(s) for s in todo]
+            with resultsdb.ResultsDB(tmp_path / "r.db") as other:
+                other.add({**rows[0], "run_key": "another sweep's run", "bundle": str(tmp_path / "elsewhere")})
+            yield from rows
+
+    with resultsdb.ResultsDB(tmp_path / "r.db") as db:
+        out = sweep_mod.run_sweep(specs, db, OtherSweepFirst(), resume=False, bundles_dir=tmp_path / "bundles",
+                                  command="test")
+    assert out.ran == 2 and out.bundles == [] and out.new_signatures == []
+    assert not (tmp_path / "bundles").exists()
