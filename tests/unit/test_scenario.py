@@ -189,6 +189,8 @@ def test_wrong_type(tmp_path):
     ("kind: scale_up", "kind: grow", "timeline[0].kind"),
     ("ranks: 2", "ranks: 0", "ranks"),
     ("at_step: 1000", "at_step: -1", "timeline[0].at_step"),
+    ("ranks: 2", "ranks: 2\ngpus_per_node: 0", "gpus_per_node"),
+    ("experts: 8,", "experts: 8, expert_groups: 3,", "model.expert_groups"),  # groups must split the experts
 ])
 def test_bad_values(tmp_path, old, new, field):
     path = write(tmp_path, SMALL.replace(old, new, 1))
