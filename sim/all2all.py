@@ -91,12 +91,16 @@ class DeepEPAll2AllManager:
         return buf
 
     def destroy(self) -> int:
-        """``destroy()`` of every buffer still in the cache (collective); the number destroyed."""
+        """``destroy()`` of every buffer still in the cache (collective), then the cache emptied, as vLLM's manager
+        does; the number destroyed.  A buffer destroyed elsewhere first raises here, as DeepEP's does.  With
+        ``explicitly_destroy`` off (managers from before vLLM passed it) nothing is destroyed: the buffers are
+        left to their destructors."""
         done = 0
-        for buf in list(self.cache.values()):
-            if buf.explicitly_destroy and buf.runtime is not None:
+        if self.explicitly_destroy:
+            for buf in list(self.cache.values()):
                 buf.destroy()
                 done += 1
+        self.cache.clear()
         return done
 
 
