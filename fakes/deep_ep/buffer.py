@@ -170,10 +170,11 @@ class Buffer:
         if len(set(handles)) != 1:
             raise RuntimeError(f"DeepEP: ranks of {rdv.name} opened different buffers' IPC handles: {handles}")
         self._team = Team.open(handles[0])
-        if self.uses_nvshmem:
+        if self.low_latency_mode or self.group_size > NUM_MAX_NVL_PEERS:  # DeepEP: RDMA ranks > 1 or low latency
             uid: list[Any] = [None] * self.group_size
             torch_dist.all_gather_object(uid, (self._team.id, k) if self.rank == 0 else None, group=group)
-            self._join_nvshmem(uid[0])
+            if self.uses_nvshmem:
+                self._join_nvshmem(uid[0])
         # runtime.sync: open the peers' handles, (NVSHMEM) align, then barriers.  Collective.
         self.runtime = _Runtime()
         self._meet("sync", None, lambda xs: [None] * len(xs), device_side=True)
@@ -184,7 +185,9 @@ class Buffer:
     # -- NVSHMEM -------------------------------------------------------------------------------------------------
     @property
     def uses_nvshmem(self) -> bool:
-        return self.num_rdma_bytes > 0 or self.low_latency_mode or self.group_size > NUM_MAX_NVL_PEERS
+        """The C++ runtime joins NVSHMEM only with RDMA bytes (the unique id is exchanged for any low-latency buffer
+        or group above 8 ranks; the constructor refuses RDMA bytes without either)."""
+        return self.num_rdma_bytes > 0
 
     def _join_nvshmem(self, uid: Any) -> None:
         worlds = _nvshmem.worlds(self._kernel)

@@ -262,6 +262,21 @@ def test_intranode_high_throughput_never_touches_nvshmem() -> None:
     assert ranks.run(body) == [[]] * 8
 
 
+def test_nvshmem_is_joined_only_with_rdma_bytes() -> None:
+    """DeepEP exchanges the NVSHMEM unique id for any low-latency buffer (or group above 8 ranks), but its runtime
+    joins NVSHMEM only when the buffer has RDMA bytes (found by review: the fake joined for any low-latency one)."""
+    ranks = SimulatedRanks(2, nvshmem="elastic")
+    kernel = ranks.kernel
+
+    def body(g):
+        deep_ep.Buffer(g, num_nvl_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True).destroy()
+        joined_without = list(deep_ep._nvshmem.worlds(kernel).of(g.rank()).history)
+        _ll_buffer(g).destroy()
+        return joined_without, bool(deep_ep._nvshmem.worlds(kernel).of(g.rank()).history)
+
+    assert ranks.run(body) == [([], True), ([], True)]
+
+
 def test_size_hint_grows_with_ep_size_and_experts() -> None:
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint
     assert hint(128, 7168, 16, 256) < hint(128, 7168, 32, 512) and hint(128, 7168, 16, 256) % 128 == 0
