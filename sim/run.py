@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import faults as fault_catalogue
-from .cluster import Cluster
-from .cluster import ENGINE_PID
+from .cluster import ENGINE_PID, Cluster
 from .errors import InternalError, ScenarioError, exception_line
 from .outputs import write_run_files
 
@@ -117,12 +116,12 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
         result.tape = cluster.kernel.streams.tape.entries  # not a field: replay reads it, --json does not print it
         try:
             if out is not None:
-                history, tape = cluster.kernel.history, cluster.kernel.streams.tape.entries
+                history = cluster.kernel.history
                 write_run_files(out, {
                     "history.jsonl": history.write_jsonl,
                     "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
-                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": tape}, default=str)
-                                                        + "\n"),
+                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": result.tape},
+                                                                   default=str) + "\n"),
                     "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
                 }, result)
         finally:
