@@ -8,7 +8,6 @@ of their own (``--case NAME --raw``); a death by signal is observed as the signa
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -21,17 +20,10 @@ from fakes.conformance import CASES, matched_profile, observe
 from fakes.conformance.catalogue import plain
 from fakes.conformance import nixl_cases  # noqa: F401 - registers the cases
 from fakes.nixl.profiles import PROFILES
+from real_backends.rank import die_with_parent
 
 CASE_TIMEOUT_S = 180
 
-
-def die_with_parent() -> None:
-    """``preexec_fn`` of a catalogue child: Linux SIGKILLs it when the process that started it dies, so a killed
-    ``epsim validate`` or ``epsim conform`` leaves no catalogue (and no real NIXL agent) running behind it."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the parent's timeout still ends it
-        pass
 UNAVAILABLE = 3  # exit status when the chosen backend cannot be used here (missing library, no GPU)
 # UCX transports for the asynchronous ("tcp") cases.  cuda_copy stays in the list: a CUDA-enabled UCX needs it to
 # classify memory at registration, and without it registering even host memory fails with nixlBackendError

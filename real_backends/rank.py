@@ -42,14 +42,19 @@ class RankConfig:
     timeout_s: float
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when the parent dies (also by SIGKILL), so no rank outlives its run."""
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (also by SIGKILL).  Also a ``preexec_fn``: the catalogue's
+    children die with a killed ``epsim validate`` or ``epsim conform`` (no real NIXL agent left behind)."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's timeout or its own stop still ends the child
         pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
+
+
+def _die_with_parent(parent: int) -> None:
+    """No rank outlives its run: :func:`die_with_parent`, and an exit if the parent died before that took effect."""
+    die_with_parent()
+    if os.getppid() != parent:
         os._exit(1)
 
 

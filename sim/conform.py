@@ -13,7 +13,8 @@ from typing import Any
 
 from fakes.nixl.profiles import PROFILES
 
-from real_backends.probe import UNAVAILABLE, die_with_parent
+from real_backends.probe import UNAVAILABLE
+from real_backends.rank import die_with_parent
 
 from .errors import BackendUnavailable, UnknownName
 

@@ -194,11 +194,12 @@ def run_sweep(specs: list[RunSpec], db, engine, *, resume: bool, bundles_dir: Pa
             # (found by review: two concurrent sweeps each bundled every signature; the window is now one bundle's
             # writing, not the whole sweep).
             bundled |= db.bundled_signatures()
-        if sig and row["verdict"] in SIM_VERDICTS and sig not in bundled:
-            # The bundle first, then the row that points at it: a sweep killed in between has not stored the run,
-            # so --resume runs it again and bundles it (into the folder left half-written, see bundle._free).
-            path = bundle_mod.write(by_key[row["run_key"]], row, bundles_dir)
-            row["bundle"] = str(path)
+            if sig not in bundled:
+                # The bundle first, then the row that points at it: a sweep killed in between has not stored the
+                # run, so --resume runs it again and bundles it (into the folder left half-written, see
+                # bundle._free).
+                path = bundle_mod.write(by_key[row["run_key"]], row, bundles_dir)
+                row["bundle"] = str(path)
         if not db.add(row):  # another sweep on this database stored the run first
             continue
         if row.get("bundle"):

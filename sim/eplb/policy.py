@@ -65,12 +65,6 @@ def replicate(loads: Sequence[float], num_physical: int) -> tuple[list[int], lis
     return phy2log, counts
 
 
-def replica_counts(layer_load: np.ndarray, num_physical: int) -> np.ndarray:
-    """``[num_logical]`` int64: how many slots each logical expert of one layer gets under the global policy."""
-    return np.asarray(replicate(np.asarray(layer_load, dtype=np.float64).tolist(), num_physical)[1],
-                      dtype=np.int64)
-
-
 def balanced_packing(weights: Sequence[float], num_packs: int) -> list[list[int]]:
     """Items into ``num_packs`` packs of ``len(weights) // num_packs`` each, heaviest first (ties: lower index) into
     the lightest pack with room (ties: lower pack); returns each pack's items in the order it got them.  With one

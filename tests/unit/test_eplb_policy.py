@@ -13,7 +13,7 @@ from collections import Counter
 
 from sim.eplb import move
 from sim.eplb.policy import (balanced_packing, balancedness, node_layout, preserve_slots, rank_loads, rebalance,
-                             replica_counts)
+                             replicate)
 from sim.eplb.state import EplbError
 from sim.eplb.state import ModelShape, Placement
 
@@ -34,12 +34,18 @@ def test_literal_rebalance_two_ranks() -> None:
     assert balancedness(load, initial) == pytest.approx(10 / 13.5)
 
 
+def replica_counts(loads, num_physical: int) -> list[int]:
+    """How many slots each expert of one layer gets under the global rule."""
+    return replicate([float(x) for x in loads], num_physical)[1]
+
+
 def test_replica_counts() -> None:
-    assert replica_counts(np.array([10, 1, 1, 8]), 6).tolist() == [2, 1, 1, 2]
-    assert replica_counts(np.array([9, 1]), 5).tolist() == [4, 1]  # 9/4 = 2.25 > 1: no cap at the rank count
-    assert replica_counts(np.array([6, 3]), 4).tolist() == [3, 1]  # 6/2 == 3/1: a tie goes to the lower id
-    assert replica_counts(np.array([3, 3]), 3).tolist() == [2, 1]
-    assert replica_counts(np.zeros(3), 7).tolist() == [5, 1, 1]  # argmax of all zeros is expert 0 every time
+    assert replica_counts([10, 1, 1, 8], 6) == [2, 1, 1, 2]
+    assert replicate([10.0, 1.0, 1.0, 8.0], 6)[0] == [0, 1, 2, 3, 0, 3]  # identity, then each pick in turn
+    assert replica_counts([9, 1], 5) == [4, 1]  # 9/4 = 2.25 > 1: no cap at the rank count
+    assert replica_counts([6, 3], 4) == [3, 1]  # 6/2 == 3/1: a tie goes to the lower id
+    assert replica_counts([3, 3], 3) == [2, 1]
+    assert replica_counts([0, 0, 0], 7) == [5, 1, 1]  # argmax of all zeros is expert 0 every time
 
 
 def test_balanced_packing() -> None:
@@ -122,7 +128,7 @@ def test_policy_properties(case) -> None:
     for layer in range(shape.num_layers):
         counts = p.logical_replica_count(layer)
         assert counts.min() >= 1  # every logical expert present
-        assert counts.tolist() == replica_counts(load[layer], shape.num_physical(ep_size)).tolist()
+        assert counts.tolist() == replica_counts(load[layer], shape.num_physical(ep_size))
     assert 0.0 < balancedness(load, p) <= 1.0
 
 
