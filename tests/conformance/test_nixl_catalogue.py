@@ -3,22 +3,53 @@
 The ``dram`` expectations are what real NIXL 1.5.1 does on host memory: the real parameter checks that they are
 still true, the fake parameter that the fake reproduces them.  Stricter profiles are checked on the fake only, case
 by case, including every case where a profile deliberately differs from real DRAM.
+
+The real side runs once for the module, through ``epsim conform --backend real --json`` as a user runs it: each
+``test_behaviour[real-...]`` reads its case from that report, and the command itself is checked too.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
 from fakes.conformance import CASES, matched_profile
 from fakes.nixl.profiles import PROFILES
-from real_backends.probe import run_case
+from real_backends.probe import judge, run_case
+from tests.conftest import real_nixl_or_skip
 
 STRICT = [p for p in PROFILES if p != "dram"]
 
 
+@pytest.fixture(scope="module")
+def conform_real() -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """``epsim conform --backend real --json`` on this machine: (the finished command, its report)."""
+    real_nixl_or_skip()
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "conform", "--backend", "real", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"epsim conform --backend real printed no report (exit {done.returncode}): {done.stderr[-2000:]}"
+    return done, json.loads(lines[-1])
+
+
+def test_conform_real_names_dram(conform_real) -> None:
+    done, report = conform_real
+    failed = [c for c in report["cases"] if c["outcome"] != "pass"]
+    assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
+    assert report["matched_profile"] == "dram" and {c["name"] for c in report["cases"]} == set(CASES)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_behaviour(name: str, nixl_impl: str) -> None:
-    result = run_case(name, nixl_impl, "dram")
+def test_behaviour(name: str, nixl_impl: str, request) -> None:
+    if nixl_impl == "real":
+        case = next(c for c in request.getfixturevalue("conform_real")[1]["cases"] if c["name"] == name)
+        result = judge(case, "dram", hardware=True)  # judged against dram whatever profile the report matched
+    else:
+        result = run_case(name, nixl_impl, "dram")
     if result["outcome"] == "skip":
         pytest.skip(result["reason"])
     assert result["outcome"] == "pass", (

@@ -10,7 +10,7 @@ from sim import scenario as scenario_mod
 from sim.calibration import Calibration, fit, load
 from sim.errors import ScenarioError
 from sim.run import run_scenario
-from tests.conftest import epsim, real_nixl_or_skip
+from tests.conftest import epsim, epsim_here, real_nixl_or_skip
 
 
 def test_fit_recovers_latency_and_bandwidth_by_relative_error():
@@ -33,7 +33,7 @@ def test_bad_calibration_files_are_one_line_errors(tmp_path):
     (tmp_path / "neg.json").write_text(json.dumps({"xfer_latency_s": -1, "bandwidth_Bps": 1e9}))
     with pytest.raises(ScenarioError, match="xfer_latency_s"):
         load(tmp_path / "neg.json")
-    done = epsim("run", "steady", "--calibration", str(tmp_path / "missing.json"))
+    done = epsim_here("run", "steady", "--calibration", str(tmp_path / "missing.json"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "epsim calibrate" in done.stderr
 
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import epsim, real_nixl_or_skip
+from tests.conftest import epsim, epsim_here, real_nixl_or_skip
 
 UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
 DOWN_3_TO_2 = ("scale-down", "--set", "ranks=3", "--set", "timeline.0.to=2")
@@ -82,14 +82,14 @@ def test_fake_only_faults_and_profiles_are_refused_in_one_line():
     for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
                   ("--ranks-per-host", "1"), ("--calibration", "x.json"),
                   ("--fault", "device.stream_lag")):  # host-memory copies run when issued: nothing to delay
-        done = epsim("run", "steady", "--backend", "real", *extra)
+        done = epsim_here("run", "steady", "--backend", "real", *extra)  # refused before any rank starts
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("epsim: error:"), done.stderr
     import torch
 
     if not torch.cuda.is_available():
-        done = epsim("run", "steady", "--backend", "real", "--device", "cuda")
+        done = epsim_here("run", "steady", "--backend", "real", "--device", "cuda")
         assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
 
 
