@@ -4,13 +4,14 @@ Locally, every rank is ``python -m real_backends.rank FD``, a child of the run's
 pair; everything binds to loopback.
 
 Under torchrun (``epsim run ... --backend real`` started once per slot with ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), slot 0 runs the engine and listens on
-``MASTER_ADDR:MASTER_PORT+1`` (``EPSIM_PORT`` overrides); every slot, slot 0's own included (a child process),
-connects, passes a challenge on a random key that slot 0 put in the job's own store, and waits.  A rank the
-scenario starts takes the next waiting slot, on that slot's GPU (``LOCAL_RANK``); a slot serves one rank and then
-exits, as a process retired by a scale-down does.  Slots no rank needed are told so at the end.  Multi-host
-addresses are asked for by running under torchrun, so nothing here forces loopback.  A slot's events are put on
-slot 0's clock with the offset measured when it connected.
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), slot 0 runs the engine and listens on ``MASTER_ADDR`` at a
+port the system picks (``EPSIM_PORT`` fixes it, for a firewall), which it publishes with a random key in the job's
+own store; every slot, slot 0's own included (a child process), reads both there, connects, passes a challenge on
+the key, and waits. (The earlier fixed choice, ``MASTER_PORT+1``, may be held by any other socket on the host, and
+the run then fails at start for no reason of its own.) A rank the scenario starts takes the next waiting slot, on
+that slot's GPU (``LOCAL_RANK``); a slot serves one rank and then exits, as a process retired by a scale-down does.
+Slots no rank needed are told so at the end. Multi-host addresses are asked for by running under torchrun, so
+nothing here forces loopback. A slot's events are put on slot 0's clock with the offset measured when it connected.
 """
 
 from __future__ import annotations
@@ -111,12 +112,24 @@ def processes_needed(scenario) -> int:
     return total
 
 
-def _address() -> tuple[str, int]:
-    port = int(os.environ.get("EPSIM_PORT") or int(os.environ["MASTER_PORT"]) + 1)
-    return os.environ["MASTER_ADDR"], port
-
-
 SECRET_KEY = "epsim/slot-secret"
+PORT_KEY = "epsim/engine-port"
+
+
+def _listen_address() -> tuple[str, int]:
+    """Where slot 0 listens: ``EPSIM_PORT`` if set, else a free port (0), published by ``_publish_port``."""
+    return os.environ["MASTER_ADDR"], int(os.environ.get("EPSIM_PORT") or 0)
+
+
+def _publish_port(port: int) -> None:
+    _job_store().set(PORT_KEY, str(port))
+
+
+def _engine_address() -> tuple[str, int]:
+    """Where a slot connects: ``EPSIM_PORT`` if set, else the port slot 0 published (waiting for it)."""
+    fixed = os.environ.get("EPSIM_PORT")
+    port = int(fixed) if fixed else int(_job_store().get(PORT_KEY).decode())
+    return os.environ["MASTER_ADDR"], port
 
 
 def _job_store():
@@ -190,7 +203,16 @@ class TorchrunLauncher:
             raise ScenarioError(f"the scenario starts {processes} rank processes in all; torchrun started "
                                 f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank")
         key = _authkey(create=True)
-        self._listener = socket.create_server(_address())
+        try:
+            self._listener = socket.create_server(_listen_address())
+        except OSError as exc:
+            host, port = _listen_address()
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            fix = "pick a free port or unset EPSIM_PORT" if port else "check MASTER_ADDR"
+            raise ScenarioError(f"cannot listen for the torchrun slots on {host}:{port or 'a free port'} ({why}); "
+                                f"{fix}") from None
+        address = self._listener.getsockname()[:2]
+        _publish_port(address[1])
         # Slot 0 is this process's job too: a child connects like every other slot.
         self._own = subprocess.Popen([sys.executable, "-m", "real_backends.launch"],
                                      env=dict(child_env(), EPSIM_SLOT_OF="0"))
@@ -202,7 +224,7 @@ class TorchrunLauncher:
                 sock, _ = self._listener.accept()
             except (socket.timeout, OSError):
                 raise ScenarioError(f"only {len(slots)} of {self.world} torchrun slots connected to "
-                                    f"{_address()[0]}:{_address()[1]} within {ACCEPT_TIMEOUT_S:g} s") from None
+                                    f"{address[0]}:{address[1]} within {ACCEPT_TIMEOUT_S:g} s") from None
             sock.settimeout(None)
             conn = Connection(sock.detach())
             try:  # the shared key's challenge before anything is unpickled from the network
@@ -268,10 +290,11 @@ def serve_slot() -> int:
 
     rank = int(os.environ.get("EPSIM_SLOT_OF") or os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    address = _engine_address()
     deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-    while True:  # slot 0 may not listen yet
+    while True:  # slot 0 may not listen yet (with EPSIM_PORT; otherwise it published the port once listening)
         try:
-            sock = socket.create_connection(_address(), timeout=10)
+            sock = socket.create_connection(address, timeout=10)
             break
         except OSError:
             if time.monotonic() > deadline:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -11,17 +13,25 @@ from tests.conftest import epsim, real_nixl_or_skip
 LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_live_agents_per_process", "transfers")
 
 
-def torchrun(slots: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun(slots: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(slots), "-m", "sim.cli", "run", *args, "--backend", "real", "--json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def why(done: subprocess.CompletedProcess) -> str:
+    """What a failed torchrun job said: every slot's own lines (torch's launcher report buries them at the top)."""
+    ours = [line for line in done.stderr.splitlines()
+            if line.startswith(("epsim", "Traceback", "  File")) or "Error" in line.split(":")[0]]
+    return "\n".join(ours[-60:]) + "\n--- stderr tail ---\n" + done.stderr[-1500:]
 
 
 def test_scale_up_under_torchrun_agrees_with_the_local_runner():
     real_nixl_or_skip()
     args = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", "--strategy", "per-communicator-agent")
     done = torchrun(3, *args)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only slot 0, which ran the engine, prints a verdict
     result = json.loads(lines[0])
@@ -43,3 +53,18 @@ def test_too_few_torchrun_slots_is_one_clear_line():
     assert done.returncode != 0
     assert [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")] == [
         "epsim: error: the scenario runs up to 3 ranks at once; 1 host(s) at --ranks-per-host 2 take 2"]
+
+
+def test_a_taken_epsim_port_is_one_clear_line():
+    """Slot 0 listens on a port the system picks and publishes it in the job's store; EPSIM_PORT fixes the port,
+    and one that another socket holds is refused in one line, not a traceback."""
+    real_nixl_or_skip()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = torchrun(3, "scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3",
+                        env={"EPSIM_PORT": str(port)})
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")]
+    assert len(errors) == 1, why(done)
+    assert errors[0].startswith("epsim: error: cannot listen for the torchrun slots on "), errors
+    assert errors[0].endswith(f":{port} (Address already in use); pick a free port or unset EPSIM_PORT"), errors
