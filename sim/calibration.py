@@ -1,8 +1,9 @@
 """A timing calibration: what the real backend measured, in the form the simulation's time model takes.
 
 ``epsim calibrate`` writes one (JSON); ``epsim run --calibration FILE`` runs the simulation with its numbers instead
-of the defaults: every READ takes ``xfer_latency_s + bytes / bandwidth_Bps`` (bytes at the scenario's nominal expert
-size), the first one towards a peer ``connect_s`` more, and a collective completes ``collective_latency_s`` after
+of the defaults: a READ alone takes ``xfer_latency_s + bytes / bandwidth_Bps`` (bytes at the scenario's nominal
+expert size; the READs one process posts together share ``bandwidth_Bps``), the first one towards a peer
+``connect_s`` more, and a collective completes ``collective_latency_s`` after
 its last member arrives.  The other fields say
 where and how it was measured; ``process_start_s`` is informational (the simulation has no process start-up: an
 elastic event's ``prepare_s`` stands for everything PREPARE does).

@@ -127,11 +127,14 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
     out += _table(["backend", "NVSHMEM", *(c[0] for c in DEEPEP_COLUMNS)],
                   [[backend, nvshmem, *(c.short for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem))]
                    for backend, nvshmem in DEEPEP_ROWS])
-    out += ["", "What the cells say. Low latency runs over NVSHMEM: the new group's buffers are made after the "
-            "cleanup destroyed the old ones, so the count reaches zero first; stock NVSHMEM then reuses the old "
-            "world (its size), the elastic patch bootstraps a new one, and MI355's build refuses to initialise "
-            "again. A late cleanup leaves an old buffer alive, and the new buffer's init only bumps the old "
-            "world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its buffers have "
+    out += ["", "What the cells say. Low latency runs over NVSHMEM: the new group's buffers are made on its first "
+            "forward step, mostly after the cleanup destroyed the old ones, so the count reaches zero first; "
+            "stock NVSHMEM then reuses the old world (its size), the elastic patch bootstraps a new one, and "
+            "MI355's build refuses to initialise again. The cleanup runs on a background thread while the new "
+            "group serves, so the two race: in elastic-cycle at this seed a rank makes its new buffer before its "
+            "cleanup destroyed the old one, which fails under the patch too (over seeds 0-11, once in elastic-cycle "
+            "and once in scale-down). A late cleanup leaves an old buffer alive, and the new buffer's init only "
+            "bumps the old world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its buffers have "
             "no strong reference besides the MoE layer's: the survivors' old buffers are dropped at the switch "
             "and leak (DeepEP warns; the cleanup finds an empty cache), the first problem of every high-throughput "
             "run that reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit "

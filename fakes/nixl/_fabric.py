@@ -32,13 +32,18 @@ if TYPE_CHECKING:
 class TimeModel:
     """How long things take inside the simulator (seconds).  ``epsim`` calibrates it against real NIXL."""
 
-    xfer_latency_s: float = 5e-6
-    bandwidth_Bps: float = 40e9  # per transfer request
+    xfer_latency_s: float = 5e-6  # per transfer request; concurrent requests overlap it
+    bandwidth_Bps: float = 40e9  # of the initiating process's link, which its concurrent requests share
     notif_latency_s: float = 5e-6
     connect_s: float = 0.0  # the first transfer towards a peer also waits for the endpoint's wire-up
 
+    def wire_seconds(self, nbytes: int) -> float:
+        """How long ``nbytes`` occupy the initiator's link."""
+        return nbytes / self.bandwidth_Bps
+
     def xfer_seconds(self, nbytes: int) -> float:
-        return self.xfer_latency_s + nbytes / self.bandwidth_Bps
+        """One transfer alone: its fixed cost, then its bytes on the link."""
+        return self.xfer_latency_s + self.wire_seconds(nbytes)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class FakeFabric:
         self.conns: weakref.WeakValueDictionary[str, AgentCore] = weakref.WeakValueDictionary()
         self._ids = itertools.count(1)
         self._pending: list[tuple[float, int, Callable[[], None]]] = []  # (due, seq, action) heap
+        self._link_free: dict[int, float] = {}  # simulated: process -> when its link has carried what it posted
         self._freed: list[tuple[int, int]] = []  # [lo, hi) ranges given back to the allocator
         self.faults = FaultBoard(self.now)
         # Who hears what happens.  ``listeners`` get every event as (kind, fields).  The simulator, which sees two
@@ -106,11 +112,25 @@ class FakeFabric:
     def now(self) -> float:
         return self._clock() if self._clock is not None else float(self._tick)
 
-    def xfer_duration(self, nbytes: int, op: str, wired: bool) -> float:
-        """Ticks (or simulated seconds) from post to completion.  ``wired``: the endpoint is already connected."""
+    def xfer_duration(self, nbytes: int, op: str, wired: bool, pid: int | None = None) -> float:
+        """Ticks (or simulated seconds) from post to completion.  ``wired``: the endpoint is already connected.
+
+        Simulated, the transfers a process posts share its link, first posted first served: a transfer's bytes
+        start after its fixed cost (and the wire-up of a new endpoint) and once the link has carried the bytes of
+        the process's earlier transfers.  One transfer alone takes ``xfer_seconds``; k posted together, the last
+        done after the fixed cost and k times the bytes, as k READs posted at once by one process measured on
+        host memory and on an H200 (``docs/validation.md``, "Concurrent READs share the initiator's bandwidth").
+        The target's side is not a shared resource in this model."""
         if self.simulated:
-            seconds = self.time_model.xfer_seconds(nbytes)
-            return seconds if wired else seconds + self.time_model.connect_s
+            model = self.time_model
+            now = self.now()
+            ready = now + model.xfer_latency_s + (0.0 if wired else model.connect_s)
+            wire = model.wire_seconds(nbytes)
+            if pid is None:
+                return ready + wire - now
+            done = max(ready, self._link_free.get(pid, ready)) + wire
+            self._link_free[pid] = done
+            return done - now
         if self.transport == "tcp":
             return 3.0
         # cma on one host: a transfer on a connected endpoint is done when transfer() returns; the first one

@@ -366,7 +366,7 @@ class XferMixin:
         req.state, req.polls, req.epoch, req.finished = PROC, 0, req.epoch + 1, False
         req.fail_after = faults.take("xfer.fail_after", self.name, req.peer, pid=self.pid) if armed else None
         wired = self.wired_to_self if req.peer == self.name else (peer is not None and peer.wired)
-        delay = self.fabric.xfer_duration(req.nbytes, req.op, wired)
+        delay = self.fabric.xfer_duration(req.nbytes, req.op, wired, self.pid)
         if armed:
             if req.fail_after is not None or faults.take("xfer.stuck", self.name, req.peer, pid=self.pid) is not None:
                 delay = float("inf")  # a failing transfer never completes: it raises at its Nth check

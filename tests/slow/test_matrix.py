@@ -71,16 +71,23 @@ def deep(cells, backend, nvshmem, column):
     return next(c.result for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem) and c.column.startswith(column))
 
 
-def test_vllm_flow_fails_on_stock_nvshmem_and_passes_on_the_elastic_patch(deep_cells) -> None:
-    # New low-latency buffers are made on the new group's first forward step, after the background cleanup destroyed
-    # the old ones: a finalized stock NVSHMEM reuses the old world (its size), the patched one starts a new one.
+def test_vllm_flow_fails_on_stock_nvshmem_and_on_the_elastic_patch_only_where_the_cleanup_races(deep_cells) -> None:
+    # New low-latency buffers are made on the new group's first forward step; when the background cleanup destroyed
+    # the old ones first, a finalized stock NVSHMEM reuses the old world (its size), the patched one starts a new one.
     for scenario in ("scale-up", "scale-down", "elastic-cycle"):
         stock = deep(deep_cells, "deepep_low_latency", "stock", scenario)
         assert (stock.verdict, stock.invariant) == ("liveness", "collective_timeout"), stock.detail
         assert "the old world was reused" in stock.detail
-        assert deep(deep_cells, "deepep_low_latency", "elastic", scenario).verdict == "pass"
         mi355 = deep(deep_cells, "deepep_low_latency", "mi355", scenario)
         assert mi355.verdict == "crash" and "NvshmemError" in mi355.detail
+    for scenario in ("scale-up", "scale-down"):
+        assert deep(deep_cells, "deepep_low_latency", "elastic", scenario).verdict == "pass"
+    # The cleanup runs on a background thread while the new group serves (vLLM's _start_group_cleanup), so the two
+    # race even with the patch: in elastic-cycle at the matrix's seed a rank's first forward on the new group makes
+    # its new buffer before its cleanup destroyed the old one (tests/sim/test_all2all.py counts it over seeds).
+    raced = deep(deep_cells, "deepep_low_latency", "elastic", "elastic-cycle")
+    assert (raced.verdict, raced.invariant) == ("liveness", "collective_timeout"), raced.detail
+    assert "a buffer of the old world is still alive" in raced.detail
 
 
 def test_old_and_new_buffers_alive_together_fail_even_with_the_patch(deep_cells) -> None:

@@ -496,6 +496,51 @@ def test_simulated_clock_transfer_completes_after_time_model(nbytes):
     assert w.a.get_new_notifs() == {"B": [b"sim-done"]}
 
 
+def test_simulated_transfers_of_one_process_share_its_link_and_other_processes_do_not_wait():
+    """Four READs posted together by one process: the fixed costs overlap, the bytes take turns on its link (the
+    last done after one latency and four times the bytes, as real NIXL measured on host memory and on an H200:
+    docs/validation.md).  A READ another process posts at the same moment waits for none of them."""
+    now = [5.0]
+    f = FakeFabric(clock=lambda: now[0])
+    n = 1 << 20
+    src = torch.full((4 * n,), PATTERN, dtype=torch.uint8)
+    dst = torch.zeros(4 * n, dtype=torch.uint8)
+    alone = torch.zeros(n, dtype=torch.uint8)
+    with use_fabric(f):
+        a = _api.nixl_agent("A")
+        with f.process(f.spawn_process("reader")):
+            b = _api.nixl_agent("B")
+        with f.process(f.spawn_process("other")):
+            c = _api.nixl_agent("C")
+    a.register_memory(src)
+    b.register_memory(dst)
+    c.register_memory(alone)
+    for agent in (b, c):
+        agent.add_remote_agent(a.get_agent_metadata())
+    quarters = [b.initialize_xfer("READ", b.get_xfer_descs(dst[i * n:(i + 1) * n]),
+                                  b.get_xfer_descs(src[i * n:(i + 1) * n]), "A") for i in range(4)]
+    other = c.initialize_xfer("READ", c.get_xfer_descs(alone), c.get_xfer_descs(src[:n]), "A")
+    assert [b.transfer(h) for h in quarters] + [c.transfer(other)] == ["PROC"] * 5
+    start, latency, wire = now[0], f.time_model.xfer_latency_s, f.time_model.wire_seconds(n)
+    assert f.time_model.xfer_seconds(n) == pytest.approx(latency + wire) and wire > 4 * latency
+
+    def states(t: float) -> list[str]:
+        now[0] = start + t
+        return [b.check_xfer_state(h) for h in quarters] + [c.check_xfer_state(other)]
+
+    assert states(latency + 0.99 * wire) == ["PROC"] * 5
+    assert states(latency + 1.01 * wire) == ["DONE", "PROC", "PROC", "PROC", "DONE"]
+    assert states(latency + 3.99 * wire) == ["DONE", "DONE", "DONE", "PROC", "DONE"]
+    assert states(latency + 4.01 * wire) == ["DONE"] * 5
+    assert bool((dst == src).all()) and bool((alone == PATTERN).all())
+    # A READ posted once the link is idle again takes one latency and its own bytes only.
+    again = b.initialize_xfer("READ", b.get_xfer_descs(dst[:n]), b.get_xfer_descs(src[:n]), "A")
+    assert b.transfer(again) == "PROC"
+    posted = now[0]
+    now[0] = posted + latency + 1.01 * wire
+    assert b.check_xfer_state(again) == "DONE"
+
+
 def test_simulated_clock_faults_use_seconds():
     now = [0.0]
     f = FakeFabric(clock=lambda: now[0])
