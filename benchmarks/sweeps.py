@@ -1,7 +1,8 @@
 """Sweep throughput and time to detect.
 
 Throughput: runs per second of ``scale-up`` seeds through the sweep machinery (engine, results database) on one and
-on two local workers, and through a local Ray cluster, against the same runs in one plain in-process loop.
+on two local workers, and through a local Ray cluster, against runs of the same scenario in one plain loop; the
+three local arms run twice, interleaved (``throughput``).
 
 Time to detect: for each deliberately broken strategy (:mod:`benchmarks.strategies`), swarm seeds of
 ``elastic-cycle`` are run in order until the broken copy fails on a seed where the careful strategy it was broken
@@ -61,21 +62,37 @@ def _through(specs, engine) -> float:
         return len(specs) / (time.perf_counter() - started)
 
 
-def throughput(quick: bool = False) -> dict[str, Any]:
+def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -> dict[str, Any]:
+    """Runs per second of each arm (plain loop, one local worker, two local workers), every arm measured twice, in
+    the order plain, one, two and then two, one, plain, on fresh seeds each time: this machine's speed drifts by a
+    factor of two within an hour (docs/performance.md), and arms run one after the other once each took whatever
+    speed their moment had.  ``runs`` per arm and pass (default 1,000; 200 with ``quick``); Ray, when installed and
+    ``ray``, once after them."""
     from sim import engines
     from sim.sweep import plan
 
-    # About half a minute of runs: the engines' worker start-up (a second or two of imports) counts as machinery, and
-    # a sweep that short already amortises it as longer ones do.  (200 runs were that long until a run stopped
-    # scanning the caller's heap at every planned collection and took 35 ms instead of 170.)
-    n = 200 if quick else 1000
-    specs = plan("scale-up", range(n))
-    plain = _plain(specs)
-    one = _through(plan("scale-up", range(n, 2 * n)), engines.LocalEngine(1))
-    two = _through(plan("scale-up", range(2 * n, 3 * n)), engines.LocalEngine(2))
-    out = {"runs": n, "plain_runs_per_s": round(plain, 2), "local1_runs_per_s": round(one, 2),
+    # About half a minute of runs per arm and pass: the engines' worker start-up (a second or two of imports) counts
+    # as machinery, and a sweep that long already amortises it as longer ones do.  (200 runs were that long until a
+    # run stopped scanning the caller's heap at every planned collection and took 35 ms instead of 170.)
+    n = runs or (200 if quick else 1000)
+    seeds = iter(range(0, 10 ** 9, n))
+
+    def specs():
+        first = next(seeds)
+        return plan("scale-up", range(first, first + n))
+
+    arms = {"plain": lambda: _plain(specs()), "local1": lambda: _through(specs(), engines.LocalEngine(1)),
+            "local2": lambda: _through(specs(), engines.LocalEngine(2))}
+    seconds = dict.fromkeys(arms, 0.0)
+    for order in (list(arms), list(reversed(arms))):
+        for name in order:
+            seconds[name] += n / arms[name]()
+    plain, one, two = (2 * n / seconds[name] for name in arms)
+    out = {"runs": n, "passes": 2, "plain_runs_per_s": round(plain, 2), "local1_runs_per_s": round(one, 2),
            "local2_runs_per_s": round(two, 2), "overhead": round(1 - one / plain, 3),
            "parallel_efficiency": round(two / (2 * one), 3)}
+    if not ray:
+        return out
     try:
         ray_engine = engines.RayEngine(workers=2)
     except Exception:  # noqa: BLE001 - Ray is an extra
@@ -83,7 +100,7 @@ def throughput(quick: bool = False) -> dict[str, Any]:
         return out
     try:
         ray_engine.start()
-        out["ray_runs_per_s"] = round(_through(plan("scale-up", range(3 * n, 4 * n)), ray_engine), 2)
+        out["ray_runs_per_s"] = round(_through(specs(), ray_engine), 2)
     finally:
         ray_engine.ray.shutdown()
     return out

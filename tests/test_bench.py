@@ -42,6 +42,21 @@ def test_bench_json_has_a_key_per_figure_with_target_and_verdict() -> None:
     assert bad.returncode == 2 and "figures are kernel_overhead" in bad.stderr
 
 
+def test_sweep_throughput_measures_every_arm_twice_interleaved(monkeypatch) -> None:
+    from benchmarks import sweeps
+
+    order = []
+    real_plain, real_through = sweeps._plain, sweeps._through
+    monkeypatch.setattr(sweeps, "_plain", lambda specs: order.append(("plain", specs[0].seed)) or real_plain(specs))
+    monkeypatch.setattr(sweeps, "_through", lambda specs, engine: order.append(
+        (f"local{engine.workers}", specs[0].seed)) or real_through(specs, engine))
+    out = sweeps.throughput(runs=3, ray=False)
+    assert [arm for arm, _ in order] == ["plain", "local1", "local2", "local2", "local1", "plain"]
+    assert len({seed for _, seed in order}) == 6  # fresh seeds for every pass
+    assert out["runs"] == 3 and out["passes"] == 2 and "ray_runs_per_s" not in out
+    assert min(out["plain_runs_per_s"], out["local1_runs_per_s"], out["local2_runs_per_s"]) > 0
+
+
 @pytest.mark.parametrize("fault", [None, "storage.move", "gc.thread"])
 def test_careful_strategy_survives_what_its_fixes_are_for(fault) -> None:
     r = run_scenario(load("elastic-cycle"), strategy=CAREFUL, faults=[fault] if fault else [])
