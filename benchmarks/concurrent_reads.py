@@ -51,6 +51,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     api, _, package = import_real_nixl()
     _quiet(package)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # NIXL's progress thread needs a core of its own on a small machine
     mem = "VRAM" if device == "cuda" else "DRAM"
     dev_a, dev_b = "cpu", "cpu"
@@ -115,6 +116,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
         reader.deregister_memory(reg)
         conn.send("done")
     finally:
+        torch.set_num_threads(threads)
         owner.join(30)
         if owner.is_alive():
             owner.kill()

@@ -8,7 +8,10 @@ Measured, between two processes on this host as ranks are:
   the first READ after loading a peer, over a steady one, is the connection cost (``connect_s``);
 - a gloo ``all_reduce`` of one float on loopback between two processes that each hold a NIXL agent (its progress
   thread competes for the cores, as in a rank): the barrier every layer's ``execute()`` ends with;
-- a rank process's start-up until it can take commands (imports, an agent): informational.
+- a rank process's start-up until it can take commands (imports, an agent): informational;
+- four READs of 4 MiB posted together against four single READs (``benchmarks/concurrent_reads.py``): near 1 when
+  a process's READs share its bandwidth, as the simulation models them, near 1/4 if each had all of it;
+  informational.
 
 Then the comparison: one scenario (scale-up 2->3 with 1 MiB expert rows, so every READ moves real expert-sized
 bytes) runs on the real backend and in the simulation with the calibration; each rebalance and the
@@ -118,10 +121,17 @@ def measure(device: str = "cpu", sizes_mib=(1 / 16, 1 / 4, 1, 4, 16, 64), repeat
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
     return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
                        collective_latency_s=measure_collective(),
-                       process_start_s=measure_process_start(), device=device, memory=reads["memory"],
+                       process_start_s=measure_process_start(), concurrent_share=measure_concurrent_share(device), device=device, memory=reads["memory"],
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        points=[{"bytes": b, "seconds": t} for b, t in points])
+
+
+def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, repeats: int = 5) -> float:
+    """k READs of ``mib`` posted together by one process over k single READs (median times)."""
+    from benchmarks import concurrent_reads
+
+    return concurrent_reads.measure(device, k, (mib,), repeats)["sizes"][f"{mib:g}MiB"]["together_over_k_one"]
 
 
 def comparison_scenario():

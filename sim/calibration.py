@@ -29,6 +29,9 @@ class Calibration(BaseModel):
     connect_s: float = Field(0.0, ge=0, description="what the first READ towards a peer costs on top: loading its "
                                                      "metadata and wiring the endpoint up, seconds")
     process_start_s: float | None = Field(None, ge=0, description="a rank process until it can take commands")
+    concurrent_share: float | None = Field(None, gt=0, description=(
+        "k READs of one process posted together over k single READs: 1 when they share its bandwidth (the "
+        "simulation's model), 1/k when each has all of it; informational"))
     device: str = "cpu"
     memory: str = "DRAM"
     nixl: str = ""

@@ -235,6 +235,9 @@ def calibrate(
     typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
                f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
                f"us; rank process start {c.process_start_s:.2f} s")
+    if c.concurrent_share is not None:
+        typer.echo(f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
+                   f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
     if out is not None:
         typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
     if compare:
