@@ -121,7 +121,8 @@ def measure(device: str = "cpu", sizes_mib=(1 / 16, 1 / 4, 1, 4, 16, 64), repeat
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
     return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
                        collective_latency_s=measure_collective(),
-                       process_start_s=measure_process_start(), concurrent_share=measure_concurrent_share(device), device=device, memory=reads["memory"],
+                       process_start_s=measure_process_start(), concurrent_share=measure_concurrent_share(device),
+                       device=device, memory=reads["memory"],
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        points=[{"bytes": b, "seconds": t} for b, t in points])
