@@ -21,26 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.transfers import MIB, _pattern, _quiet
-
-
-def _owner(conn, package: str, device: str, nbytes: int) -> None:
-    """The peer process: one registered buffer that the reader READs slices of."""
-    import importlib
-
-    import torch
-
-    api = importlib.import_module(f"{package}._api")
-    _quiet(package)
-    agent = api.nixl_agent("concurrent-owner", api.nixl_agent_config(backends=["UCX"]))
-    src = _pattern(nbytes, device)
-    if src.is_cuda:
-        torch.cuda.synchronize()  # the fill is asynchronous; a READ must find it done
-    reg = agent.register_memory([src])
-    conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
-    conn.recv()  # the reader is done
-    agent.deregister_memory(reg)
-    conn.close()
+from benchmarks.transfers import MIB, _owner, _pattern, _quiet, memory_and_devices
 
 
 def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: int = 9) -> dict[str, Any]:
@@ -53,14 +34,12 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
     _quiet(package)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # NIXL's progress thread needs a core of its own on a small machine
-    mem = "VRAM" if device == "cuda" else "DRAM"
-    dev_a, dev_b = "cpu", "cpu"
-    if device == "cuda":
-        dev_a, dev_b = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+    mem, dev_a, dev_b = memory_and_devices(device)
     total = int(max(sizes_mib) * MIB) * k
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(child_end, package, dev_b, total), daemon=True)
+    # The owner registers one buffer of ``total`` bytes (transfers' owner, given one size), read in slices.
+    owner = ctx.Process(target=_owner, args=(child_end, package, (total / MIB,), dev_b), daemon=True)
     owner.start()
     reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "k": k, "sizes": {}}
@@ -114,7 +93,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
         out["bytes_ok"] = bool(torch.equal(dst.cpu(), _pattern(total, "cpu")))
         reader.remove_remote_agent(name)
         reader.deregister_memory(reg)
-        conn.send("done")
+        conn.send("next")  # the owner's only size: it deregisters and ends
     finally:
         torch.set_num_threads(threads)
         owner.join(30)

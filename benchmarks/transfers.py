@@ -80,15 +80,21 @@ def _owner(conn, package: str, sizes_mib, device: str) -> None:
     conn.close()
 
 
+def memory_and_devices(device: str) -> tuple[str, str, str]:
+    """(NIXL memory type, the reader's device, the owner's device): two GPUs when there are two, else one for both."""
+    if device != "cuda":
+        return "DRAM", "cpu", "cpu"
+    import torch
+
+    return ("VRAM", "cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("VRAM", "cuda:0", "cuda:0")
+
+
 def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each: bool = False) -> dict[str, Any]:
     import multiprocessing as mp
 
     import torch
 
-    mem = "VRAM" if device == "cuda" else "DRAM"
-    dev_a, dev_b = "cpu", "cpu"
-    if device == "cuda":
-        dev_a, dev_b = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+    mem, dev_a, dev_b = memory_and_devices(device)
     # The owner is another process, as every rank is in vLLM (UCX then takes its inter-process paths: cma or shared
     # memory on the host, CUDA IPC between GPUs); the torch baseline copies in this process.
     ctx = mp.get_context("spawn")

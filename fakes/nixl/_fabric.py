@@ -112,7 +112,7 @@ class FakeFabric:
     def now(self) -> float:
         return self._clock() if self._clock is not None else float(self._tick)
 
-    def xfer_duration(self, nbytes: int, op: str, wired: bool, pid: int | None = None) -> float:
+    def xfer_duration(self, nbytes: int, op: str, wired: bool, pid: int) -> float:
         """Ticks (or simulated seconds) from post to completion.  ``wired``: the endpoint is already connected.
 
         Simulated, the transfers a process posts share its link, first posted first served: a transfer's bytes
@@ -120,15 +120,12 @@ class FakeFabric:
         the process's earlier transfers.  One transfer alone takes ``xfer_seconds``; k posted together, the last
         done after the fixed cost and k times the bytes, as k READs posted at once by one process measured on
         host memory and on an H200 (``docs/validation.md``, "Concurrent READs share the initiator's bandwidth").
-        The target's side is not a shared resource in this model."""
+        The target's side is not a shared resource in this model.  ``pid``: the initiating process."""
         if self.simulated:
             model = self.time_model
             now = self.now()
             ready = now + model.xfer_latency_s + (0.0 if wired else model.connect_s)
-            wire = model.wire_seconds(nbytes)
-            if pid is None:
-                return ready + wire - now
-            done = max(ready, self._link_free.get(pid, ready)) + wire
+            done = max(ready, self._link_free.get(pid, ready)) + model.wire_seconds(nbytes)
             self._link_free[pid] = done
             return done - now
         if self.transport == "tcp":
