@@ -122,9 +122,31 @@ class Rendezvous:
         self.latency_s = latency_s  # from the last arrival to the result (a calibration measures gloo's)
         self._ops: dict[int, _Op] = {}
         self._next_seq = [0] * len(pids)
-        self.destroyed = False
+        self._destroyed = False
+        self._siblings: dict[str, Rendezvous] = {}
         self.broken: str | None = None  # why the group's connections closed; every later collective fails at once
         self._closed = None  # the event that wakes every wait on the group when it closes (made on first use)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @destroyed.setter
+    def destroyed(self, value: bool) -> None:
+        self._destroyed = value
+        for sibling in self._siblings.values():
+            sibling.destroyed = value
+
+    def sibling(self, kind: str) -> "Rendezvous":
+        """Another group over the same members, made on first use and destroyed with this one: vLLM builds a
+        generation's EP group and its EPLB group side by side, and a thread's collectives on one never match
+        another thread's on the other."""
+        found = self._siblings.get(kind)
+        if found is None:
+            found = self._siblings[kind] = Rendezvous(self.kernel, f"{self.name}/{kind}", self.pids, self.timeout_s,
+                                                      self.latency_s)
+            found.destroyed = self._destroyed
+        return found
 
     def _closed_event(self):
         """Triggered when the group's connections close (:meth:`_close`): every wait on the group ends then."""

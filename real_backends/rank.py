@@ -146,6 +146,14 @@ class RealWorker:
         self.aborted: Any = None
         self.load = LoadWindow(m.layers, m.experts, max(1, self.sc.eplb.window))
         self.async_thread: threading.Thread | None = None
+        # As the simulation's worker: vLLM's EplbState under async EPLB (a rebalance in flight, the layer the async
+        # thread staged and the main thread has not taken, the event it waits on), guarded by one condition; and
+        # the EP group that vLLM's readiness all_reduce runs on, beside the communicator's EPLB group.
+        self.rebalanced = False
+        self.pending: tuple[int, Any, Any] | None = None  # (layer, plan, stream)
+        self.consumed: threading.Event | None = None
+        self.eplb_state = threading.Condition()
+        self.ep_group: Any = None
         self.step = 0
         self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
         self.fault_holders: list[list] = []  # the lists through which a GC fault holds a dropped communicator
@@ -171,13 +179,53 @@ class RealWorker:
         from .groups import open_group
 
         self.group = open_group(self.store, self.group_spec, self.cfg.timeout_s)
+        self.ep_group = self._open_ep_group(self.group_spec)
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group_spec.name, prev=False)
 
+    def _open_ep_group(self, spec):
+        """The generation's EP group (only async EPLB makes collectives on it), opened right after its EPLB group
+        by every member, so the two meshes pair up in the same order everywhere."""
+        from .groups import GroupSpec, open_group
+
+        if not self.sc.eplb.use_async:
+            return None
+        return open_group(self.store, GroupSpec(f"{spec.name}/ep", spec.rank, spec.size), self.cfg.timeout_s)
+
     def do_serve(self, steps: int, loads) -> None:
+        # Serving takes no time here, except while a rebalance is in flight: then each (scaled) forward step ends
+        # with vLLM's readiness all_reduce on the EP group, and every rank takes the staged layer once all have it.
+        step = self.sc.serving.step_time_s * 0.01
+        done = 0
+        while done < steps and self.rebalanced:
+            done += 1
+            time.sleep(step)
+            self._eplb_step()
         self.load.record(loads, steps)
 
-    def do_rearrange(self, old, new, mapping, stream_lag_s: float = 0.0) -> None:
+    def _eplb_step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        with self.eplb_state:
+            ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
+        dist.all_reduce(ready, group=self.ep_group)
+        if int(ready.item()) == self.ep_group.size():
+            self._take_layer()
+
+    def _take_layer(self) -> None:
+        from sim.eplb import move
+
+        with self.eplb_state:
+            layer, plan, stream = self.pending
+            self.pending = None
+            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
+            if layer == len(self.weights) - 1:
+                self.rebalanced = False
+            consumed, self.consumed = self.consumed, None
+        consumed.set()
+
+    def do_rearrange(self, old, new, mapping, use_async: bool, stream_lag_s: float = 0.0) -> None:
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -187,7 +235,8 @@ class RealWorker:
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
         stream = _LaggingStream(stream_lag_s, self.weights[0][0].device) if stream_lag_s > 0 else None
-        if self.sc.eplb.use_async:
+        if use_async:
+            self.rebalanced = True
             self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True,
                                                 stream)
         else:
@@ -197,16 +246,29 @@ class RealWorker:
         self.join_async()
 
     def join_async(self) -> None:
+        """vLLM's ``drain_async``: take each layer still to come as the async thread stages it, then join it."""
         th, self.async_thread = self.async_thread, None
-        if th is not None:
-            th.join()
+        if th is None:
+            return
+        while True:
+            with self.eplb_state:
+                self.eplb_state.wait_for(lambda: self.pending is not None or not self.rebalanced or not th.is_alive(),
+                                         timeout=0.1)  # a thread that crashed publishes nothing more
+                if not self.rebalanced or not th.is_alive():
+                    break
+                staged = self.pending is not None
+            if staged:
+                self._take_layer()
+        th.join()
 
     def _move(self, old, new, mapping, paced: bool, stream=None) -> None:
+        import torch
+        import torch.distributed as dist
+
         from sim.eplb import move
         from sim.eplb.state import check_weights
 
         comm, rank = self.comm, self.group.rank()
-        step, start = self.sc.serving.step_time_s * 0.01, time.perf_counter()  # forward steps, scaled as serving's
         for layer in range(old.num_layers):
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
@@ -214,15 +276,27 @@ class RealWorker:
                 move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
                                 stream)
                 continue
-            # As the simulation's worker: transfer here (local copies on the stream, after the layer before's
-            # move_from_buffer; then a synchronize), then the layer is copied out of expert_buffer on the
-            # (lagging) stream at the next step boundary, and the next layer's transfers start at once.
+            # As the simulation's worker: the coordinated stop (an all_reduce on the EPLB group), the transfer
+            # (local copies on the stream, after the layer before's move_from_buffer; then a synchronize), then
+            # the layer is published and this thread waits until the main thread has taken it (copied out of
+            # expert_buffer on the (lagging) stream at a step boundary once every rank has it).
+            going = torch.tensor([int(self.rebalanced)], dtype=torch.int32)
+            dist.all_reduce(going, group=self.group)
+            if int(going.item()) != self.group.size():
+                with self.eplb_state:
+                    self.rebalanced = False
+                    self.eplb_state.notify_all()
+                self.history("eplb.stopped", layer=layer)
+                break
             move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
                                 stream)
             if stream is not None:
                 stream.synchronize("async EPLB: the experts stream after a layer's transfers")
-            time.sleep(max(0.0, move.until_next_step(start, time.perf_counter(), step)))
-            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
+            consumed = threading.Event()
+            with self.eplb_state:
+                self.consumed, self.pending = consumed, (layer, plan, stream)
+                self.eplb_state.notify_all()
+            consumed.wait()
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.
         self.history("eplb.moved", seconds=time.perf_counter() - self._rearrange_started)
         new_rank = move.rank_space(old, new, mapping).to_new[rank]
@@ -246,6 +320,7 @@ class RealWorker:
         from .groups import open_group
 
         group = open_group(self.store, spec, self.cfg.timeout_s)
+        ep_group = self._open_ep_group(spec)
         if storage_move:
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
@@ -256,7 +331,7 @@ class RealWorker:
                 agent.restart()
             self.history("peer.restart", agents=[a.name for a in agents])
         comm = self.factory(group, self.weights, self.buffer, self.comm)
-        self.prepared = (comm, group, spec)
+        self.prepared = (comm, group, spec, ep_group)
         del comm
         self.history("comm.create", gen=spec.name, prev=True)
         self.link.send("prepared", self.pid)
@@ -265,10 +340,10 @@ class RealWorker:
         self.join_async()
         gc.collect()  # vLLM's switch_and_prepare collects before the swap
         self.history("gc.collect", reason="commit")
-        comm, group, spec = self.prepared
+        comm, group, spec, ep_group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm
-        self.group, self.group_spec = group, spec
+        self.group, self.group_spec, self.ep_group = group, spec, ep_group
         del comm
         self.history("comm.swap", gen=spec.name)
         self.drop(old, "old communicator")

@@ -183,10 +183,12 @@ class Engine:
         return total
 
     def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None,
-                  drain: bool = True) -> bool:
+                  drain: bool = True, asynchronous: bool = True) -> bool:
         """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping).
-        ``drain``: with async EPLB, wait for every rank's layers before going on, as an elastic reshuffle and the
-        last rebalance do; a periodic one returns at once and the layers move while the group serves."""
+        With async EPLB on, the layers move on each rank's async thread unless ``asynchronous`` is False (vLLM
+        forces a scale-down's reshuffle synchronous); ``drain``: wait for every rank's layers before going on, as
+        the last rebalance does; a periodic one and the reshuffle after a scale-up return at once and the layers
+        move while the group serves."""
         old = self.placement
         size = new_size or len(self.members)
         self.before_rebalance()
@@ -198,8 +200,9 @@ class Engine:
             new = old
         self.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest())
         start = self.now()
-        ok = self._all("rearrange", old=old, new=new, mapping=mapping)
-        if ok and drain and self.scenario.eplb.use_async:
+        use_async = asynchronous and self.scenario.eplb.use_async
+        ok = self._all("rearrange", old=old, new=new, mapping=mapping, use_async=use_async)
+        if ok and drain and use_async:
             ok = self._all("drain")
         self.placement = new
         if ok:
@@ -258,10 +261,13 @@ class Engine:
             self._retire([], self.rdv)
             self.rdv, self.members = rdv, new_members
             self._set_members(rdv)
-            ok = self.rebalance(mapping={r: r for r in range(len(old_members))})
+            # vLLM schedules the reshuffle and resumes serving: under async EPLB the layers reach the new ranks one
+            # per forward step (a new rank's slots take no tokens until its layer lands), and the next commit or
+            # rebalance drains what is still in flight.
+            ok = self.rebalance(mapping={r: r for r in range(len(old_members))}, drain=False)
         else:  # scale-down: rebalance through the old group first, then the survivors commit and the rest leave
             mapping = {r: (r if r < size else -1) for r in range(len(old_members))}
-            if not self.rebalance(new_size=size, mapping=mapping):
+            if not self.rebalance(new_size=size, mapping=mapping, asynchronous=False):
                 return False
             if not self._all("commit", new_members):
                 return False

@@ -56,6 +56,14 @@ class Worker:
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
+        # vLLM's EplbState per model under async EPLB: a rebalance in flight (``rebalanced``), the layer the async
+        # thread has staged in expert_buffer and the main thread has not taken yet (``pending``: layer, plan), and
+        # the event the async thread waits on until it is taken (``consumed``); ``staged`` wakes a drain.
+        self.rebalanced = False
+        self.pending: tuple[int, Any] | None = None
+        self.consumed: Any = None
+        self.staged: Any = None
+        self._ep_groups: tuple[Any, Any] | None = None  # (EPLB group handle, the EP group over the same members)
         self.cleanup_thread = None  # the retired group's all2all cleanup (elastic-cleanup@pid), while it runs
         self.main_thread = None
         self.alive = True
@@ -131,16 +139,58 @@ class Worker:
                                       stale_handle=stale)
             self.a2a_handle = (weakref.ref(buf), handle)  # DeepEP's handle is tensors: it keeps no buffer alive
             self.cluster.oracles.all2all_checked(self.pid, problem)
-        self.kernel.sleep(steps * self.cluster.scenario.serving.step_time_s, "serving")
+        step = self.cluster.scenario.serving.step_time_s
+        if not self.rebalanced:
+            self.kernel.sleep(steps * step, "serving")
+        else:
+            # While a rebalance is in flight vLLM's EplbState.step runs after every forward step: an all_reduce on
+            # the EP group of whether this rank's async thread has staged its layer; when every rank has, each
+            # takes it (move_from_buffer), so no rank switches a layer's experts before the others can.
+            start, done = self.kernel.now(), 0
+            while done < steps and self.rebalanced:
+                done += 1
+                self.kernel.sleep(start + done * step - self.kernel.now(), "serving")
+                self._eplb_step()
+            if done < steps:
+                self.kernel.sleep(start + steps * step - self.kernel.now(), "serving")
         self.load.record(loads, steps)
 
-    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None) -> None:
-        """EPLB rearrange: all-reduce the load, then move every layer through the communicator (in async mode on the
-        async EPLB thread, one layer per forward step, while the main thread keeps serving)."""
+    def _ep_group(self):
+        """The EP group of this worker's generation (its EPLB group, ``self.group``, is the communicator's)."""
+        if self._ep_groups is None or self._ep_groups[0] is not self.group:
+            from fakes.torch_dist import FakeProcessGroup
+
+            ep = FakeProcessGroup(self.group.rendezvous.sibling("ep"), self.group.rank())
+            self._ep_groups = (self.group, ep)
+        return self._ep_groups[1]
+
+    def _eplb_step(self) -> None:
+        """vLLM's ``_all_ranks_result_ready``, then ``_move_to_workspace`` when every rank has its layer staged."""
+        ep = self._ep_group()
+        ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
+        dist.all_reduce(ready, group=ep)
+        if int(ready.item()) == ep.size():
+            self._take_layer()
+
+    def _take_layer(self) -> None:
+        """The main thread takes the staged layer: ``move_from_buffer`` on the compute stream, then the consumed
+        event lets the async thread start the next layer's transfers; the last layer ends the rebalance."""
+        layer, plan = self.pending
+        self.pending = None
+        move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
+        if layer == len(self.weights) - 1:
+            self.rebalanced = False
+        consumed, self.consumed = self.consumed, None
+        consumed.succeed()
+
+    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None, use_async: bool) -> None:
+        """EPLB rearrange: all-reduce the load, then move every layer through the communicator (``use_async``: on
+        the async EPLB thread, at most one layer per forward step, while the main thread keeps serving)."""
         self.join_async()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
-        if self.cluster.scenario.eplb.use_async:
+        if use_async:
+            self.rebalanced = True
             self.async_thread = self.kernel.spawn(self.other_thread_name(), self._move, old, new, mapping, True,
                                                   pid=self.pid, daemon=True)
         else:
@@ -150,9 +200,19 @@ class Worker:
         self.join_async()
 
     def join_async(self) -> None:
-        """vLLM's drain: wait for the async EPLB thread to finish its layers."""
+        """vLLM's ``drain_async``: take every layer still to come as the async thread stages it (this rank alone,
+        no collective), then wait for the thread to finish its checks."""
         th, self.async_thread = self.async_thread, None
-        if th is not None and th.alive:
+        if th is None:
+            return
+        while self.rebalanced and th.alive:
+            if self.pending is not None:
+                self._take_layer()
+                continue
+            self.staged = self.kernel.env.event()
+            self.kernel.wait(self.kernel.env.any_of([self.staged, th.done]), "draining async EPLB")
+            self.staged = None
+        if th.alive:
             self.kernel.wait(th.done, "draining async EPLB")
 
     def _move(self, old: Placement, new: Placement, mapping, paced: bool) -> None:
@@ -162,7 +222,6 @@ class Worker:
         lag = self.cluster.faults.take({"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid,
                                        "expert copies")
         self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
-        step, start = self.cluster.scenario.serving.step_time_s, self.kernel.now()
         for layer in range(old.num_layers):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
@@ -170,18 +229,27 @@ class Worker:
                 move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 self.stream)
                 continue
-            # vLLM's async EPLB: this thread stages the local copies on a stream of its own that waits for the
-            # consumed event of the layer before (so they run after its move_from_buffer: one in-order stream
-            # here), posts the READs, executes and synchronizes that stream; the main thread takes the layer at
-            # its next step boundary once every rank has it (the group's barrier ends execute at one instant),
-            # issues move_from_buffer on the compute stream and records the consumed event, and this thread
-            # starts the next layer's transfers at once: its READs in no order with that stream.
+            # vLLM's async EPLB worker: a coordinated stop first (every rank still rebalancing, or all stop: an
+            # all_reduce on the EPLB group), then the layer's local copies on a stream of its own that waits for
+            # the consumed event of the layer before (so they run after its move_from_buffer: one in-order stream
+            # here), the READs, execute, a synchronize of that stream; then the layer is published and this
+            # thread waits until the main thread has taken it (``_eplb_step``, at a step boundary once every rank
+            # has it) and issued move_from_buffer on the compute stream; the next layer's READs then run in no
+            # order with that stream.
+            going = torch.tensor([int(self.rebalanced)], dtype=torch.int32)
+            dist.all_reduce(going, group=self.group)
+            if int(going.item()) != self.group.size():
+                self.rebalanced = False
+                self.history("eplb.stopped", layer=layer)
+                break
             move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 self.stream)
             self.stream.synchronize("async EPLB: the experts stream after a layer's transfers")
-            self.kernel.sleep(move.until_next_step(start, self.kernel.now(), step),
-                              "async EPLB: the main thread takes the layer at its next step")
-            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
+            self.consumed = self.kernel.env.event()
+            self.pending = (layer, plan)
+            if self.staged is not None and not self.staged.triggered:
+                self.staged.succeed()
+            self.kernel.wait(self.consumed, "async EPLB: waiting for the main thread to take the layer")
         space = move.rank_space(old, new, mapping)
         new_rank = space.to_new[rank]
         self.placement = new if new_rank >= 0 else None

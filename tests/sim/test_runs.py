@@ -14,6 +14,8 @@ from sim.scenario import load, with_overrides
 STRATEGIES = ["per-communicator-agent", "arena-registry", "shared-agent"]
 BROKEN = "tests.strategies.broken_shared_agent:create"
 
+SYNCED = "tests.strategies.stream_synced:create"  # synchronizes the stream before its READs
+
 
 def run(name: str, **kw):
     return run_scenario(load(name), **kw)
@@ -353,8 +355,9 @@ def test_a_caller_that_froze_objects_itself_keeps_them_frozen() -> None:
 
 
 def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_commit() -> None:
-    """vLLM's EplbState.step moves one layer per forward step while serving goes on; a reshuffle at a
-    reconfiguration, and the last rebalance, wait for every rank's layers."""
+    """vLLM's EplbState.step moves one layer per forward step while serving goes on, also for the reshuffle after a
+    scale-up (the newest vLLM resumes serving once it is scheduled); the last rebalance waits for every rank's
+    layers."""
     from sim.cluster import Cluster
 
     sc = with_overrides(load("scale-up"), **{"eplb.use_async": True})
@@ -373,9 +376,72 @@ def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_comm
             overlapped += 1
         else:
             drained += 1
-    # Periodic rebalances at steps 125 and 625 (EP2) and 1520, 2020, 2520 (EP4) overlap serving; the reshuffle
-    # after the scale-up's commit and the last one at step 3000 drain first.
-    assert (overlapped, drained) == (5, 2)
+    # Periodic rebalances at steps 125 and 625 (EP2), the reshuffle after the scale-up's commit and 1520, 2020,
+    # 2520 (EP4) overlap serving; the last one at step 3000 drains first.
+    assert (overlapped, drained) == (6, 1)
+
+
+def _async_run(scenario: str, faults=(), strategy: str | None = None, use_async: bool = True, **overrides):
+    from sim.cluster import Cluster
+    from sim.faults import parse
+
+    sc = with_overrides(load(scenario), **{"eplb.use_async": use_async}, **overrides)
+    cluster = Cluster(sc, seed=0, strategy=strategy or sc.strategy, profile=sc.profile,
+                      faults=[parse(f) for f in faults])
+    cluster.run()
+    return cluster
+
+
+def _arrivals(cluster, suffix: str) -> dict[tuple[str, int], int]:
+    """Collectives each pid joined on each group whose name ends with ``suffix``."""
+    counts: dict[tuple[str, int], int] = {}
+    for _, kind, f in cluster.kernel.history.records:
+        if kind == "collective.arrive" and f["group"].endswith(suffix):
+            counts[f["group"], f["pid"]] = counts.get((f["group"], f["pid"]), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("lag", [None, 0.12])
+def test_async_eplb_takes_a_layer_only_when_every_rank_has_it(lag) -> None:
+    """While a rebalance is in flight, vLLM's main thread all-reduces after every forward step, on the EP group,
+    whether its async thread has staged the layer, and every rank takes it (move_from_buffer) only when all have;
+    the async thread all-reduces a coordinated stop on the EPLB group before each layer."""
+    faults = [] if lag is None else [f"device.stream_lag:delay_s={lag},rank=1"]
+    cluster = _async_run("scale-up", faults, SYNCED)
+    assert cluster.oracles.verdict()[0] == "pass"
+    ready = _arrivals(cluster, "/ep")
+    per_group = {g: {n for (g2, _), n in ready.items() if g2 == g} for g, _ in ready}
+    assert all(len(counts) == 1 for counts in per_group.values()), ready  # every member, every step
+    steps = {g: counts.pop() for g, counts in per_group.items()}
+    if lag is None:
+        # 4 layers, each staged within the step (a READ takes about a millisecond, a step 50 ms): one step per layer
+        # for the two rebalances of EP2 and the four that overlap serving on EP4.
+        assert steps == {"eplb#0/ep": 8, "eplb#1/ep": 16}
+    else:
+        # rank 1's stream runs its copies 0.12 s late, so it stages each layer steps after the others, and
+        # nobody takes the layer before it: more steps, the same on every rank, and the weights are right.
+        assert steps["eplb#0/ep"] > 8 and steps["eplb#1/ep"] > 16
+    # On the EPLB group async EPLB adds one coordinated stop per layer to what synchronous EPLB does (the load
+    # all-reduce, one execute barrier per layer): 4 layers x 2 rebalances on EP2, x 5 on EP4; none stops.
+    eplb = {key: n for key, n in _arrivals(cluster, "").items() if not key[0].endswith("/ep")}
+    sync = _arrivals(_async_run("scale-up", faults, SYNCED, use_async=False), "")
+    assert {key: n - sync[key] for key, n in eplb.items()} == {
+        **{("eplb#0", p): 8 for p in (0, 1)}, **{("eplb#1", p): 20 for p in (0, 1, 2, 3)}}
+    assert not [f for _, kind, f in cluster.kernel.history.records if kind == "eplb.stopped"]
+
+
+def test_a_rank_dying_mid_rebalance_blocks_both_threads_of_every_survivor() -> None:
+    """Rank 3 dies one step into an async rebalance: each survivor's async thread waits for it in the EPLB group's
+    collectives and its main thread in the EP group's readiness all_reduce; the first to time out names it."""
+    cluster = _async_run("rank-failure", timeline=[{"at_step": 626, "kind": "fail_rank", "rank": 3}])
+    verdict, invariant, detail = cluster.oracles.verdict()
+    assert (verdict, invariant) == ("liveness", "collective_timeout")
+    assert "eplb-async@" in detail and "pids [3]) never arrived" in detail
+    records = cluster.kernel.history.records
+    killed = next(t for t, kind, _ in records if kind == "process.kill")
+    waiting = {f["pid"] for t, kind, f in records
+               if kind == "collective.arrive" and f["group"] == "eplb#0/ep" and t > killed}
+    assert waiting == {0, 1, 2}  # the survivors' main threads reached the next step's readiness all_reduce
 
 
 @pytest.mark.parametrize("rank", [None, 1, 3])
