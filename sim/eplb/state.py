@@ -359,7 +359,10 @@ class LoadWindow:
             raise EplbError("layer_loads must hold whole token counts")
         if np.any(arr < 0):
             raise EplbError("layer_loads must not be negative")
-        self._records.append((steps, np.array(arr, dtype=np.int64)))  # a snapshot: callers reuse their buffers
+        # A snapshot, since callers reuse their buffers; an int64 array that owns its data and is read-only (the
+        # engine's share of a chunk's load, which every member records) cannot change under it, so it is kept.
+        frozen = arr.dtype == np.int64 and arr.base is None and not arr.flags.writeable
+        self._records.append((steps, arr if frozen else np.array(arr, dtype=np.int64)))
         self._steps += steps
         self._recorded += steps
         while len(self._records) > 1 and self._steps - self._records[0][0] >= self.window:
