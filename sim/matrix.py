@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .run import Result, run_scenario
-from .scenario import load
+from .scenario import load, with_overrides
 
 STRATEGIES = ("per-communicator-agent", "arena-registry", "shared-agent")
 PROFILES = ("dram", "cuda", "rocm-strict")
@@ -84,10 +84,14 @@ class Cell(_Verdict):
     result: Result
 
 
-def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, faults=GC_FAULTS) -> list[Cell]:
+def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, faults=GC_FAULTS,
+               eplb_async: bool = False) -> list[Cell]:
+    """Every cell's run; ``eplb_async``: with async EPLB (vLLM's default; the built-in scenarios run synchronous)."""
     cells = []
     for name in scenarios:
         sc = load(name)
+        if eplb_async:
+            sc = with_overrides(sc, **{"eplb.use_async": True})
         for strategy in strategies:
             for profile in profiles:
                 for fault in faults:
@@ -218,7 +222,10 @@ def render(cells: list[Cell]) -> str:
            "`tests/slow/test_matrix.py`, which fails when this file is stale). Rows: strategy x fake-NIXL profile;",
            "columns: the GC fault armed (`gc.late` with `delay_s=2`). A cell is the run's verdict and, if it is not",
            "`pass`, the invariant that broke first. Per-communicator-agent's duplicate registrations are counted in",
-           "the last column (two live agents of one process holding the same pages, on every PREPARE).",
+           "the last column (two live agents of one process holding the same pages, on every PREPARE). The",
+           "scenarios run synchronous EPLB; with async EPLB (`--set eplb.use_async=true`, vLLM's default: the layers",
+           "move on a thread of their own while the group serves, the reshuffle after a scale-up too) every cell",
+           "gives the same verdict, which the same test file checks.",
            ""]
     for name in dict.fromkeys(c.scenario for c in cells):
         sc = load(name)

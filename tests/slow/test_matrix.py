@@ -27,6 +27,16 @@ def test_matrix_is_complete(cells) -> None:
     assert len(cells) == len(SCENARIOS) * len(STRATEGIES) * len(PROFILES) * len(GC_FAULTS)
 
 
+def test_async_eplb_gives_every_cell_the_same_verdict(cells) -> None:
+    """vLLM's default is async EPLB (and elastic EP needs NIXL for it): the layers move on the async thread while the
+    group serves, the reshuffle after a scale-up too, with the async loop's collectives.  None of that moves a
+    verdict in these scenarios (checked on 2026-12-02, when the async loop became vLLM's)."""
+    async_cells = run_matrix(eplb_async=True)
+    assert [(c.scenario, c.strategy, c.profile, c.fault, c.short) for c in async_cells] == \
+        [(c.scenario, c.strategy, c.profile, c.fault, c.short) for c in cells]
+    assert any(c.result.trace_hash != s.result.trace_hash for c, s in zip(async_cells, cells))  # it ran async
+
+
 @pytest.mark.parametrize("scenario", ["scale-up", "scale-down", "elastic-cycle", "abort"])
 def test_per_communicator_agent_duplicates_pages_on_every_prepare_and_fails_rocm_strict(cells, scenario) -> None:
     for fault in GC_FAULTS:
