@@ -28,7 +28,6 @@ layer.  Tensors are only touched through their methods; torch is not imported.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -358,12 +357,6 @@ def transfer_layer(comm, layer: int, old_indices: list[int], weights_layer, buff
     for dst_row, src_rank, logical in plan.recvs:
         comm.add_recv(rows(buffer, dst_row), src_rank, logical)
     comm.execute()
-
-
-def until_next_step(start: float, now: float, step: float) -> float:
-    """Seconds from ``now`` to the next step boundary after it, steps of ``step`` counted from ``start``: when async
-    EPLB's main thread takes a layer the async thread has transferred (a boundary ``now`` sits on is not the next)."""
-    return start + (math.floor((now - start) / step + 1e-9) + 1) * step - now
 
 
 def issue_move_from_buffer(weights_layer, buffer, plan: LayerPlan, rows, stream, layer: int) -> None:
