@@ -223,7 +223,7 @@ class Rendezvous:
             if timeout_s is not None and timeout_s < self.timeout_s:
                 limit, own_due = timeout_s, env.now + timeout_s
                 waits.append(env.timeout(timeout_s))
-            self.kernel.wait(env.any_of(waits), f"{kind} #{seq} on group {self.name}")
+            self._wait_any(waits, f"{kind} #{seq} on group {self.name}")
             # This rank's own bound is up when its time has come, whichever event of that instant woke it first.
             own_up = env.now >= own_due
             if not op.done.triggered and not (op.deadline.processed or own_up) and self.broken is not None:
@@ -247,6 +247,32 @@ class Rendezvous:
                                f"{type(exc).__name__}: {exc})")
         results = op.done.value
         return results[rank] if private else _copy(results[rank], op.copiers)
+
+
+    def _wait_any(self, events: list, what: str) -> None:
+        """Wait until one of ``events`` fires: what ``kernel.wait(env.any_of(events))`` does, event for event and
+        tie-break draw for draw (one wake-up event, triggered by the first of them to be processed, or at once if
+        one already was), without a SimPy condition and its value per waiting rank: every rank of every
+        collective waits here."""
+        wake = self.kernel.env.event()
+
+        def check(_event: Any) -> None:
+            if not wake.triggered:
+                wake.succeed()
+
+        pending = []
+        for event in events:
+            if event.callbacks is None:  # already processed
+                check(event)
+            else:
+                event.callbacks.append(check)
+                pending.append(event)
+        self.kernel.wait(wake, what)
+        for event in pending:  # as a condition does once it fires: the others no longer hold the check
+            callbacks = event.callbacks
+            if callbacks:
+                with contextlib.suppress(ValueError):
+                    callbacks.remove(check)
 
 
 class FakeProcessGroup:
