@@ -1,4 +1,6 @@
-"""Stateless process groups for real rank processes: one gloo group per EP generation, as vLLM's elastic EP makes.
+"""Stateless process groups for real rank processes: one gloo group per EP generation, as vLLM's elastic EP makes
+(two under async EPLB: the communicator's EPLB group and, named ``<generation>/ep``, the EP group that the main
+thread's per-step readiness all_reduce runs on; ``real_backends.rank`` opens both).
 
 The default ``torch.distributed`` world cannot grow or shrink, so elastic EP builds each generation's group from a
 key-value store of its own (vLLM's stateless groups).  Here the parent hosts one ``TCPStore``; a generation's group
