@@ -260,6 +260,8 @@ class RealWorker:
             if staged:
                 self._take_layer()
         th.join()
+        with self.eplb_state:  # over either way (a crashed thread was reported to the parent already)
+            self.rebalanced, self.pending = False, None
 
     def _move(self, old, new, mapping, paced: bool, stream=None) -> None:
         import torch

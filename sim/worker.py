@@ -214,6 +214,8 @@ class Worker:
             self.staged = None
         if th.alive:
             self.kernel.wait(th.done, "draining async EPLB")
+        # Over either way; a thread that crashed (a crash verdict already) leaves nothing for the steps to wait on.
+        self.rebalanced, self.pending = False, None
 
     def _move(self, old: Placement, new: Placement, mapping, paced: bool) -> None:
         # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
