@@ -256,9 +256,13 @@ class Rendezvous:
         collective waits here."""
         wake = self.kernel.env.event()
 
-        def check(_event: Any) -> None:
+        def check(event: Any) -> None:
             if not wake.triggered:
-                wake.succeed()
+                if event._ok:
+                    wake.succeed()
+                else:  # as a condition does: the failure is delivered to the waiter, not left to crash the loop
+                    event._defused = True
+                    wake.fail(event._value)
 
         pending = []
         for event in events:

@@ -282,7 +282,7 @@ class RealWorker:
             # (local copies on the stream, after the layer before's move_from_buffer; then a synchronize), then
             # the layer is published and this thread waits until the main thread has taken it (copied out of
             # expert_buffer on the (lagging) stream at a step boundary once every rank has it).
-            going = torch.tensor([int(self.rebalanced)], dtype=torch.int32)
+            going = torch.tensor([int(self.rebalanced)], dtype=torch.int32)  # never stops here: see sim/worker.py
             dist.all_reduce(going, group=self.group)
             if int(going.item()) != self.group.size():
                 with self.eplb_state:

@@ -249,6 +249,11 @@ class Engine:
             if not self.serve(PREPARE_POLL_STEPS):
                 return False
         if event.kind == "abort":
+            # Every member drains what async EPLB has in flight first: the abort reaches only the ranks that were
+            # to stay, and a rank's staged layer is taken by its own main thread, so a member left out (one a
+            # scale-down would have removed) would hold its async thread, and with it everyone's next collective.
+            if self.scenario.eplb.use_async and not self._all("drain"):
+                return False
             if not self._all("abort", [p for p in old_members if p in new_members]):
                 return False
             ok = self._retire([w.pid for w in fresh], rdv)

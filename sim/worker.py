@@ -238,6 +238,9 @@ class Worker:
             # thread waits until the main thread has taken it (``_eplb_step``, at a step boundary once every rank
             # has it) and issued move_from_buffer on the compute stream; the next layer's READs then run in no
             # order with that stream.
+            # Nothing in the simulation clears one rank's ``rebalanced`` while others rebalance, so the stop never
+            # fires here; the collective is kept as vLLM makes it (where a rank dies, everyone's async thread waits
+            # in it). If it fired, the main threads would read the cleared flag at different steps, as in vLLM.
             going = torch.tensor([int(self.rebalanced)], dtype=torch.int32)
             dist.all_reduce(going, group=self.group)
             if int(going.item()) != self.group.size():

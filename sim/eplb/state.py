@@ -360,8 +360,9 @@ class LoadWindow:
         if np.any(arr < 0):
             raise EplbError("layer_loads must not be negative")
         # A snapshot, since callers reuse their buffers; an int64 array that owns its data and is read-only (the
-        # engine's share of a chunk's load, which every member records) cannot change under it, so it is kept.
-        frozen = arr.dtype == np.int64 and arr.base is None and not arr.flags.writeable
+        # engine's share of a chunk's load, which every member records) is kept: the caller promises, by freezing
+        # it, never to make it writeable again.
+        frozen = arr.dtype == np.int64 and arr.flags.owndata and not arr.flags.writeable
         self._records.append((steps, arr if frozen else np.array(arr, dtype=np.int64)))
         self._steps += steps
         self._recorded += steps

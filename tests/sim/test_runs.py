@@ -430,6 +430,19 @@ def test_async_eplb_takes_a_layer_only_when_every_rank_has_it(lag) -> None:
     assert not [f for _, kind, f in cluster.kernel.history.records if kind == "eplb.stopped"]
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) -> None:
+    """An abort reaches only the ranks that were to stay; with a rebalance in flight (30 layers from step 125, the
+    abort's PREPARE from step 126) the ranks a scale-down would have removed must drain too, since only a rank's
+    own main thread takes its staged layers (found by review: they held everyone's next collective)."""
+    cluster = _async_run("scale-down", use_async=use_async, **{"model.layers": 30},
+                         timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}])
+    assert cluster.oracles.verdict() == ("pass", None, None)
+    moved_async = {f["pid"] for _, kind, f in cluster.kernel.history.records if kind == "thread.start"
+              and f["thread"].startswith("eplb-async@")}
+    assert moved_async == ({0, 1, 2, 3} if use_async else set())  # the rebalance did run on async threads
+
+
 def test_a_rank_dying_mid_rebalance_blocks_both_threads_of_every_survivor() -> None:
     """Rank 3 dies one step into an async rebalance: each survivor's async thread waits for it in the EPLB group's
     collectives and its main thread in the EP group's readiness all_reduce; the first to time out names it."""
