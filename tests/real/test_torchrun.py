@@ -42,6 +42,19 @@ def test_scale_up_under_torchrun_agrees_with_the_local_runner():
     assert result["metrics"]["duplicate_registrations"] == 2
 
 
+def test_async_eplb_under_torchrun_opens_each_generation_s_ep_group_and_agrees():
+    # Async EPLB adds a second gloo group per generation (the EP group of the main thread's readiness all_reduce),
+    # opened by every slot right after its EPLB group.
+    real_nixl_or_skip()
+    args = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", "--set", "eplb.use_async=true")
+    done = torchrun(3, *args)
+    assert done.returncode == 0, why(done)
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert result["verdict"] == "pass", result["detail"]
+    sim = json.loads(epsim("run", *args, "--json").stdout.strip().splitlines()[-1])
+    assert {k: result["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+
+
 def test_too_few_torchrun_slots_is_one_clear_line():
     real_nixl_or_skip()
     done = torchrun(2, "elastic-cycle")
