@@ -248,7 +248,6 @@ class Rendezvous:
         results = op.done.value
         return results[rank] if private else _copy(results[rank], op.copiers)
 
-
     def _wait_any(self, events: list, what: str) -> None:
         """Wait until one of ``events`` fires: what ``kernel.wait(env.any_of(events))`` does, event for event and
         tie-break draw for draw (one wake-up event, triggered by the first of them to be processed, or at once if

@@ -193,8 +193,9 @@ class RealWorker:
         return open_group(self.store, GroupSpec(f"{spec.name}/ep", spec.rank, spec.size), self.cfg.timeout_s)
 
     def do_serve(self, steps: int, loads) -> None:
-        # Serving takes no time here, except while a rebalance is in flight: then each (scaled) forward step ends
-        # with vLLM's readiness all_reduce on the EP group, and every rank takes the staged layer once all have it.
+        # Serving takes no time here, except while a rebalance is in flight: then each forward step (a hundredth of
+        # the scenario's, as the real backend scales them, so that a test run stays short) ends with vLLM's
+        # readiness all_reduce on the EP group, and every rank takes the staged layer once all have it.
         step = self.sc.serving.step_time_s * 0.01
         done = 0
         while done < steps and self.rebalanced:

@@ -354,15 +354,22 @@ def test_a_caller_that_froze_objects_itself_keeps_them_frozen() -> None:
         gc.unfreeze()
 
 
+def _async_run(scenario: str, faults=(), strategy: str | None = None, use_async: bool = True, **overrides):
+    from sim.cluster import Cluster
+    from sim.faults import parse
+
+    sc = with_overrides(load(scenario), **{"eplb.use_async": use_async}, **overrides)
+    cluster = Cluster(sc, seed=0, strategy=strategy or sc.strategy, profile=sc.profile,
+                      faults=[parse(f) for f in faults])
+    cluster.run()
+    return cluster
+
+
 def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_commit() -> None:
     """vLLM's EplbState.step moves one layer per forward step while serving goes on, also for the reshuffle after a
     scale-up (the newest vLLM resumes serving once it is scheduled); the last rebalance waits for every rank's
     layers."""
-    from sim.cluster import Cluster
-
-    sc = with_overrides(load("scale-up"), **{"eplb.use_async": True})
-    cluster = Cluster(sc, seed=0, strategy=sc.strategy, profile=sc.profile)
-    cluster.run()
+    cluster = _async_run("scale-up")
     assert cluster.oracles.verdict()[0] == "pass"
     records = [(kind, f) for _, kind, f in cluster.kernel.history.records]
     overlapped = drained = 0
@@ -379,17 +386,6 @@ def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_comm
     # Periodic rebalances at steps 125 and 625 (EP2), the reshuffle after the scale-up's commit and 1520, 2020,
     # 2520 (EP4) overlap serving; the last one at step 3000 drains first.
     assert (overlapped, drained) == (6, 1)
-
-
-def _async_run(scenario: str, faults=(), strategy: str | None = None, use_async: bool = True, **overrides):
-    from sim.cluster import Cluster
-    from sim.faults import parse
-
-    sc = with_overrides(load(scenario), **{"eplb.use_async": use_async}, **overrides)
-    cluster = Cluster(sc, seed=0, strategy=strategy or sc.strategy, profile=sc.profile,
-                      faults=[parse(f) for f in faults])
-    cluster.run()
-    return cluster
 
 
 def _arrivals(cluster, suffix: str) -> dict[tuple[str, int], int]:
@@ -438,8 +434,8 @@ def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) 
     cluster = _async_run("scale-down", use_async=use_async, **{"model.layers": 30},
                          timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}])
     assert cluster.oracles.verdict() == ("pass", None, None)
-    moved_async = {f["pid"] for _, kind, f in cluster.kernel.history.records if kind == "thread.start"
-              and f["thread"].startswith("eplb-async@")}
+    moved_async = {f["pid"] for _, kind, f in cluster.kernel.history.records
+                   if kind == "thread.start" and f["thread"].startswith("eplb-async@")}
     assert moved_async == ({0, 1, 2, 3} if use_async else set())  # the rebalance did run on async threads
 
 
