@@ -220,11 +220,14 @@ class RealWorker:
         with self.eplb_state:
             layer, plan, stream = self.pending
             self.pending = None
-            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
-            if layer == len(self.weights) - 1:
-                self.rebalanced = False
             consumed, self.consumed = self.consumed, None
-        consumed.set()
+            try:
+                move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
+                if layer == len(self.weights) - 1:
+                    self.rebalanced = False
+                    self.eplb_state.notify_all()  # a PREPARE waiting for the rebalance to land (_prepare)
+            finally:  # a copy that raised is a crash, reported; the async thread must not wait for ever behind it
+                consumed.set()
 
     def do_rearrange(self, old, new, mapping, use_async: bool, stream_lag_s: float = 0.0) -> None:
         import numpy as np
@@ -263,6 +266,7 @@ class RealWorker:
         th.join()
         with self.eplb_state:  # over either way (a crashed thread was reported to the parent already)
             self.rebalanced, self.pending = False, None
+            self.eplb_state.notify_all()
 
     def _move(self, old, new, mapping, paced: bool, stream=None) -> None:
         import torch
@@ -324,6 +328,13 @@ class RealWorker:
 
         group = open_group(self.store, spec, self.cfg.timeout_s)
         ep_group = self._open_ep_group(spec)
+        # The simulated PREPARE takes the scenario's prepare_s while the group serves, so an async rebalance in
+        # flight when it starts has landed before its faults and its new communicator (every built-in scenario's
+        # prepare_s outlasts one).  A real PREPARE takes no time of its own (and new ranks starting hold serving
+        # up), so it waits for that here, while the main thread serves and takes the layers; without the wait a
+        # storage.move or peer.restart landed under the async thread's READs, which no simulated run does.
+        with self.eplb_state:
+            self.eplb_state.wait_for(lambda: not self.rebalanced, timeout=self.cfg.timeout_s)
         if storage_move:
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]

@@ -109,11 +109,17 @@ class Worker:
         self.a2a = self._manager(self.group)
 
     def _manager(self, group):
+        """The all2all manager of ``group``'s generation, on its EP group: vLLM builds the DeepEP buffer on the EP
+        group's ``cpu_group``, not on the EPLB group the communicator uses, so the buffer's collectives (made at a
+        forward step on the main thread) never pair with the async EPLB thread's on the EPLB group."""
         cfg = self.cluster.scenario.all2all
         if cfg.backend == "none":
             return None
+        from fakes.torch_dist import FakeProcessGroup
+
         from .all2all import DeepEPAll2AllManager, ProcessState
 
+        group = FakeProcessGroup(group.rendezvous.sibling("ep"), group.rank())
         if self.a2a_process is None:
             self.a2a_process = ProcessState()
         return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,

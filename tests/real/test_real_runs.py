@@ -78,6 +78,19 @@ def test_real_faults_are_done_for_real_and_agree(fault):
         assert real["signature"] == sim["signature"] == "exception:nixlNotFoundError|per-communicator-agent|peer.restart"
 
 
+@pytest.mark.parametrize("fault", ["storage.move", "peer.restart"])
+def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_both_worlds(fault):
+    """Found by review: the real PREPARE (which takes no time of its own, while new ranks starting hold serving up)
+    moved expert_buffer or restarted the agents under the async thread's READs, a crash no simulated run shows,
+    since the simulated PREPARE's prepare_s of serving lets the layers land first.  The real one now waits for them.
+    The rebalance in flight is the scale-up's reshuffle, scheduled right before (first_rebalance_step moves the
+    periodic one out of the way)."""
+    sim, real = both("scale-up", "--strategy", "per-communicator-agent", "--set", "eplb.use_async=true",
+                     "--set", "eplb.first_rebalance_step=999", "--fault", fault)
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("pass", None), real["detail"]
+    assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}
+
+
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():
     for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
                   ("--ranks-per-host", "1"), ("--calibration", "x.json"),

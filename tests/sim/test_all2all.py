@@ -55,6 +55,24 @@ def test_the_history_shows_buffers_made_on_first_use_and_destroyed_by_the_cleanu
     assert not any(e["kind"] == "deep_ep.leak" for e in kinds)
 
 
+def test_the_buffers_collectives_run_on_the_ep_group_so_async_eplb_never_pairs_with_them(tmp_path):
+    """vLLM builds the DeepEP buffer on the EP group, the EPLB communicator on the EPLB group.  With both on one
+    group, a new buffer's all_gather_object at the first forward step after a scale-up met the async thread's
+    reshuffle collectives there (CollectiveMismatch, or calls of one kind matched across the two threads)."""
+    for backend in ("deepep_low_latency", "deepep_high_throughput"):
+        overrides = {**LL_ELASTIC, "all2all.backend": backend}
+        for name in ("scale-up", "elastic-cycle"):
+            synchronous = _run(name, seed=1, **overrides)
+            asynchronous = _run(name, seed=1, **overrides, **{"eplb.use_async": True})
+            assert (asynchronous.verdict, asynchronous.invariant) == (synchronous.verdict, synchronous.invariant), (
+                backend, name, asynchronous.detail)
+    sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **LL_ELASTIC, **{"eplb.use_async": True})
+    run_scenario(sc, strategy="per-communicator-agent", out=tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    teams = {e["team"] for e in records if e["kind"] == "deep_ep.buffer"}
+    assert teams and all("/ep/" in team for team in teams), teams
+
+
 def test_a_wrong_combine_is_an_all2all_safety_violation(monkeypatch):
     import fakes.deep_ep.buffer as fake
 
@@ -124,7 +142,7 @@ def test_a_buffer_dropped_without_destroy_is_a_leak_at_the_moment_deep_ep_warns(
     # (explicitly_destroy=True, as vLLM passes) before the cleanup, which finds the weak cache empty.
     r = _run("scale-up", **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
     assert (r.verdict, r.invariant) == ("safety", "leak")
-    assert r.detail == ("pid 0: DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy() "
+    assert r.detail == ("pid 0: DeepEP buffer eplb#0/ep/deep_ep#0 was dropped without destroy() "
                         "(explicitly_destroy=True): DeepEP only warns, and its buffers stay allocated")
     assert 50 < r.sim_time_s and capsys.readouterr().out == ""  # DeepEP's printf stays out of the run's output
 

@@ -118,7 +118,7 @@ def test_intranode_high_throughput_never_touches_nvshmem_but_leaks_the_survivors
     for column in ("scale-up", "scale-up, cleanup 5 s late", "scale-up, rank 1's LL parity skewed"):
         r = deep(deep_cells, "deepep_high_throughput", "stock", column)
         assert (r.verdict, r.invariant) == ("safety", "leak"), (column, r.detail)
-        assert "DeepEP buffer eplb#0/deep_ep#0 was dropped without destroy()" in r.detail
+        assert "DeepEP buffer eplb#0/ep/deep_ep#0 was dropped without destroy()" in r.detail
     # With the buffers held and destroyed explicitly (LL keeps a class-level reference), nothing leaks.
     assert deep(deep_cells, "deepep_low_latency", "elastic", "scale-up").verdict == "pass"
 
