@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fakes.torch_dist import FakeProcessGroup
+
 from .device import DeviceStream
 from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
@@ -28,6 +30,12 @@ class Command:
     kind: str
     args: dict[str, Any] = field(default_factory=dict)
     done: Any = None  # simpy event the worker succeeds when the command is complete
+
+
+def _ep_group_of(group: FakeProcessGroup) -> FakeProcessGroup:
+    """This rank's handle on the EP group of ``group``'s generation: the ``ep`` sibling of the EPLB group, over the
+    same members (vLLM's readiness all_reduce and the DeepEP buffer run there, the communicator on the EPLB group)."""
+    return FakeProcessGroup(group.rendezvous.sibling("ep"), group.rank())
 
 
 class Worker:
@@ -115,11 +123,9 @@ class Worker:
         cfg = self.cluster.scenario.all2all
         if cfg.backend == "none":
             return None
-        from fakes.torch_dist import FakeProcessGroup
-
         from .all2all import DeepEPAll2AllManager, ProcessState
 
-        group = FakeProcessGroup(group.rendezvous.sibling("ep"), group.rank())
+        group = _ep_group_of(group)
         if self.a2a_process is None:
             self.a2a_process = ProcessState()
         return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
@@ -164,10 +170,7 @@ class Worker:
     def _ep_group(self):
         """The EP group of this worker's generation (its EPLB group, ``self.group``, is the communicator's)."""
         if self._ep_groups is None or self._ep_groups[0] is not self.group:
-            from fakes.torch_dist import FakeProcessGroup
-
-            ep = FakeProcessGroup(self.group.rendezvous.sibling("ep"), self.group.rank())
-            self._ep_groups = (self.group, ep)
+            self._ep_groups = (self.group, _ep_group_of(self.group))
         return self._ep_groups[1]
 
     def _eplb_step(self) -> None:
