@@ -54,6 +54,14 @@ BEGIN = "begin"  # what a worker says when a run starts (its imports done), befo
 START_LIMIT_S = 300.0  # a worker that has not begun a run this long after getting it is taken for dead
 
 
+def _deadline(started: float, begun: bool, timeout: float | None) -> float:
+    """When a run is out of time: ``timeout`` after it began, or the start-up limit until then (a fresh worker, local
+    or Ray, imports the simulator first, seconds that are not the run's)."""
+    if not begun:
+        return started + START_LIMIT_S
+    return started + timeout if timeout is not None else float("inf")
+
+
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
@@ -69,11 +77,7 @@ class _Worker:
         self.conn.send(spec)
 
     def deadline(self, timeout: float | None) -> float:
-        """When this worker's run is out of time: ``timeout`` after it began, or the start-up limit until then (a
-        fresh worker imports the simulator first, seconds that are not the run's)."""
-        if not self.begun:
-            return self.started + START_LIMIT_S
-        return self.started + timeout if timeout is not None else float("inf")
+        return _deadline(self.started, self.begun, timeout)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -195,36 +199,69 @@ class RayEngine:
     def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
         ray = self.ray
         self.start()
-        task = ray.remote(num_cpus=1, max_retries=0)(execute)
+        # A generator task: it says BEGIN once the worker has the simulator imported, then gives the row, so that
+        # --timeout counts from the moment the run begins, as with local workers (a Ray worker started for the
+        # task, or restarted after a crash, imports torch first: seconds that are not the run's).
+        task = ray.remote(num_cpus=1, max_retries=0, num_returns="streaming")(_ray_execute)
         queue = deque(specs)
         limit = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        running: dict[Any, tuple[RunSpec, float]] = {}
+        running: dict[Any, _RayRun] = {}
         while queue or running:
             while queue and len(running) < limit:
                 spec = queue.popleft()
-                running[task.remote(spec)] = (spec, time.monotonic())
-            wait_s = None
-            if self.timeout is not None:
-                wait_s = max(0.0, min(t + self.timeout for _, t in running.values()) - time.monotonic())
+                running[task.remote(spec)] = _RayRun(spec, time.monotonic())
+            first = min(run.deadline(self.timeout) for run in running.values())
+            wait_s = None if first == float("inf") else max(0.0, first - time.monotonic())
             done, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
-            for ref in done:
-                spec, t0 = running.pop(ref)
-                yield self._row(ref, spec, time.monotonic() - t0)
-            if self.timeout is not None:
-                for ref, (spec, t0) in list(running.items()):
-                    if time.monotonic() - t0 >= self.timeout:
-                        ray.cancel(ref, force=True)
-                        del running[ref]
-                        yield failed_row(spec, "timeout", f"cancelled after {self.timeout:g} s", time.monotonic() - t0)
+            for gen in done:
+                run = running[gen]
+                row = self._next(gen, run)
+                if row == BEGIN:  # a copy of it, through the object store
+                    run.started, run.begun = time.monotonic(), True
+                    continue
+                del running[gen]
+                yield row
+            for gen, run in list(running.items()):
+                if time.monotonic() >= run.deadline(self.timeout):
+                    ray.cancel(gen, force=True)
+                    del running[gen]
+                    elapsed = time.monotonic() - run.started
+                    if run.begun:
+                        yield failed_row(run.spec, "timeout", f"cancelled after {self.timeout:g} s", elapsed)
+                    else:
+                        yield failed_row(run.spec, "worker_crash", f"Ray worker did not begin the run within "
+                                                                   f"{START_LIMIT_S:g} s", elapsed)
 
-    def _row(self, ref, spec: RunSpec, elapsed: float) -> dict[str, Any]:
+    def _next(self, gen, run: "_RayRun") -> Any:
+        """What the task gave next: BEGIN, its row, or a failed row for a worker that died or a task that failed."""
         exceptions = self.ray.exceptions
+        elapsed = time.monotonic() - run.started
         try:
-            return self.ray.get(ref)
+            return self.ray.get(next(gen))
+        except StopIteration:
+            return failed_row(run.spec, "error", "Ray: the task ended without a row", elapsed)
         except (exceptions.WorkerCrashedError, exceptions.NodeDiedError, exceptions.ActorDiedError) as exc:
-            return failed_row(spec, "worker_crash", f"Ray worker died: {type(exc).__name__}", elapsed)
+            return failed_row(run.spec, "worker_crash", f"Ray worker died: {type(exc).__name__}", elapsed)
         except exceptions.RayError as exc:
-            return failed_row(spec, "error", f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}", elapsed)
+            return failed_row(run.spec, "error", f"Ray: {type(exc).__name__}: {str(exc).splitlines()[0]}", elapsed)
+
+
+class _RayRun:
+    """A run handed to Ray: when it was submitted, then when the worker began it (the clock of its --timeout)."""
+
+    def __init__(self, spec: RunSpec, submitted: float) -> None:
+        self.spec, self.started, self.begun = spec, submitted, False
+
+    def deadline(self, timeout: float | None) -> float:
+        return _deadline(self.started, self.begun, timeout)
+
+
+def _ray_execute(spec: RunSpec) -> Iterator[Any]:
+    """The Ray task: the simulator's imports, BEGIN, then the run's row."""
+    from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before the run's clock starts
+
+    yield BEGIN
+    yield execute(spec)
 
 
 REACH_TIMEOUT_S = 10.0
