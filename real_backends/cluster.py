@@ -56,6 +56,7 @@ def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -
 
 
 START_ALLOWANCE_S = 120.0  # what a rank process may take to start, on top of --timeout
+SETTLE_S = 0.2  # once a rank is seen dead, how long the others' answers still on their way are waited for
 
 
 @dataclass
@@ -235,7 +236,7 @@ class RealCluster(Engine):
         # per-command timeout (found by review: --timeout 0.5 made every run a start-up "stuck").
         startup = START_ALLOWANCE_S if any(h.kind == "start" for h in pending.values()) else 0.0
         deadline = time.monotonic() + self.timeout_s + startup
-        settled = False  # a dead rank seen: the others' answers already on their way are read once more first
+        settled = False  # a dead rank seen: the others' answers already on their way are read first
         while not all(h.event.is_set() for h in pending.values()):
             if self.crashed:
                 return False
@@ -244,7 +245,7 @@ class RealCluster(Engine):
             dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].alive]
             if dead and not settled:
                 settled = True
-                self._pump(0.2)
+                self._settle(pending, dead)
                 continue
             if dead or time.monotonic() > deadline:
                 late = [p for p, h in pending.items() if not h.event.is_set()]
@@ -254,6 +255,16 @@ class RealCluster(Engine):
                 return False
             self._pump(0.05)
         return not self.crashed
+
+    def _settle(self, pending: dict[int, Handle], dead: list[int]) -> None:
+        """Up to SETTLE_S for the living ranks' answers, so that a stuck command names only the ranks that never
+        answer (one pump returns with the first message, often another rank's event, not after the wait)."""
+        until = time.monotonic() + SETTLE_S
+        while not self.crashed and any(not h.event.is_set() for p, h in pending.items() if p not in dead):
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self._pump(left)
 
     def prepared(self, handles: dict[int, Handle]) -> bool:
         # Serving goes on while PREPARE runs, in chunks of PREPARE_POLL_STEPS steps of the scenario's step time.

@@ -156,7 +156,9 @@ class RealWorker:
         self.ep_group: Any = None
         self.step = 0
         self.gc_faults: dict[str, dict[str, Any]] = {}  # what -> the GC fault the parent chose for that drop
-        self.fault_holders: list[list] = []  # the lists through which a GC fault holds a dropped communicator
+        # The lists through which gc.late, gc.thread and gc.never hold a dropped communicator (the exit's leak check
+        # leaves what only they hold alone); a gc.cycle holder is referenced by itself alone.
+        self.fault_holders: list[list] = []
         self._rows = move.RowViews()
         self._rearrange_started = 0.0
 
@@ -352,8 +354,9 @@ class RealWorker:
 
     def do_commit(self) -> None:
         self.join_async()
-        gc.collect()  # vLLM's switch_and_prepare collects before the swap
+        # Recorded first, as the simulation does: what this collection finalizes appears after it in the history.
         self.history("gc.collect", reason="commit")
+        gc.collect()  # vLLM's switch_and_prepare collects before the swap
         comm, group, spec, ep_group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm
@@ -384,6 +387,7 @@ class RealWorker:
         if comm is not None:
             self.drop(comm, "communicator at exit")
         del comm
+        self.history("gc.collect", reason="exit")
         gc.collect()  # the interpreter's last collections at exit; gc.never objects are still referenced
         # What the simulation calls a leak: an agent alive now that no GC fault holds on purpose (gc.never, a
         # gc.late still waiting: the simulation finalizes those at interpreter shutdown, before its leak check).
@@ -402,7 +406,8 @@ class RealWorker:
             return  # the caller's `del` is the last reference: finalized right there, on the caller's thread
         holder = [obj]
         del obj
-        self.fault_holders.append(holder)
+        if how != "gc.cycle":  # a cycle must be the only thing holding it, or no collection could free it
+            self.fault_holders.append(holder)
         if how == "gc.late":
             delay = float(fault.get("delay_s", 1.0))
             self.run_thread(f"gc-late@{self.pid}", self._release_later, holder, delay, what)

@@ -21,6 +21,7 @@ weight check after a rebalance) see every copy issued before them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from typing import Any, Callable, Iterator
 
@@ -32,7 +33,8 @@ class DeviceStream:
     def __init__(self, kernel, pid: int) -> None:
         self.kernel, self.pid = kernel, pid
         self.lag_s = 0.0
-        self._queue: deque[tuple[Callable[[], None], str]] = deque()
+        self._queue: deque[tuple[int, Callable[[], None], str]] = deque()  # (issue number, op, what)
+        self._issued = 0
         self._busy_until = 0.0  # when the stream will have run everything issued so far
 
     def __repr__(self) -> str:
@@ -45,14 +47,16 @@ class DeviceStream:
             return
         now = self.kernel.now()
         self._busy_until = max(now, self._busy_until) + self.lag_s
-        self._queue.append((op, what))
+        self._issued += 1
+        self._queue.append((self._issued, op, what))
         timer = self.kernel.env.timeout(self._busy_until - now)
-        timer.callbacks.append(self._run_oldest)
+        timer.callbacks.append(functools.partial(self._run_through, self._issued))
 
-    def _run_oldest(self, _event: Any) -> None:
-        # One op per issued timer, the oldest first: timers fire in issue order, and a flush may have run it.
-        if self._queue:
-            self._queue.popleft()[0]()
+    def _run_through(self, issued: int, _event: Any) -> None:
+        # The timer of copy number ``issued``: it runs that copy and any earlier one still queued.  A flush or a
+        # synchronize may have run them already; then the timer finds only later copies, which are not yet due.
+        while self._queue and self._queue[0][0] <= issued:
+            self._queue.popleft()[1]()
 
     def query(self) -> bool:
         """``torch.cuda.Stream.query``: True when every issued copy has run."""
@@ -62,7 +66,7 @@ class DeviceStream:
         """``torch.cuda.Stream.synchronize``: the calling thread waits until the stream has run everything issued."""
         if not self._queue:
             return
-        copies, first = len(self._queue), self._queue[0][1]
+        copies, first = len(self._queue), self._queue[0][2]
         wait = self._busy_until - self.kernel.now()
         if wait > 0 and self.kernel.current() is not None:
             self.kernel.sleep(wait, f"stream synchronize ({copies} copies)")
@@ -72,12 +76,12 @@ class DeviceStream:
         """What a reader ordered after the issued copies on the stream sees: they all run now (no one waits)."""
         if not self._queue:
             return
-        self._drain("device.flush", reason, len(self._queue), self._queue[0][1])
+        self._drain("device.flush", reason, len(self._queue), self._queue[0][2])
 
     def _drain(self, kind: str, reason: str, copies: int, first: str) -> None:
         """Run every issued copy now, then record it (counted when the caller asked, before any wait)."""
         while self._queue:
-            self._queue.popleft()[0]()
+            self._queue.popleft()[1]()
         self.kernel.history.record(kind, pid=self.pid, reason=reason, copies=copies, first=first)
 
 

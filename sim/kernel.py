@@ -159,6 +159,8 @@ class Kernel:
                 self.history.record("thread.end", thread=th.name, pid=th.pid)
                 self._ended()
                 return
+            if th.state == "killed":  # it killed its own process: the switch below never came back
+                return
             th.state = "blocked"
             if request.callbacks is not None:
                 request.callbacks.append(th.resume)
@@ -213,6 +215,11 @@ class Kernel:
                 self._zombies.append(th)
                 killed.append(th)
         self.history.record("process.kill", pid=pid, threads=[t.name for t in killed])
+        caller = self._current
+        if caller is not None and caller in killed and self._hub is not None:
+            # SIGKILL of its own process: the calling thread runs no further line either.  It parks on an event
+            # that never fires, and _step leaves it parked.
+            self._hub.switch(self.env.event())
         return killed
 
     def halt(self) -> None:
@@ -223,16 +230,24 @@ class Kernel:
     def run(self, until: float | None = None) -> None:
         """Run until ``until`` (simulated seconds), a halt, or nothing is left to happen."""
         self._hub = greenlet.getcurrent()
+        halt_at = None
         if until is not None:
-            timer = self.env.timeout(max(0.0, until - self.env.now))
-            timer.callbacks.append(lambda _e: self.halt())
+            halt_at = self.env.timeout(max(0.0, until - self.env.now))
+            halt_at.callbacks.append(self._halt_now)
         with self.deterministic():
             try:
                 self.env.run(until=self._halt)
             except RuntimeError as exc:  # the schedule ran dry before a halt: everything finished or is stuck
                 if "No scheduled events left" not in str(exc):
                     raise
+        if halt_at is not None and halt_at.callbacks is not None:
+            # This run ended before ``until`` (a crash, a halt): its timer stays scheduled, as SimPy cannot take an
+            # event back, but must not halt a later run() of the same world.
+            halt_at.callbacks.remove(self._halt_now)
         self._halt = self.env.event()  # a later run() continues the same world
+
+    def _halt_now(self, _event: Any) -> None:
+        self.halt()
 
     def blocked(self) -> list[SimThread]:
         return [t for t in self.threads if t.state == "blocked"]

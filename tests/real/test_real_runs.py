@@ -91,6 +91,38 @@ def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_b
     assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}
 
 
+def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_in_both_worlds(tmp_path):
+    """Found by review: the real rank kept a gc.cycle holder in the list its exit's leak check reads, so no
+    collection could free the cycle and the old agent died with the process, never deregistered; the simulation
+    finalizes it at the rank's next planned collection (here its exit), as Python does.  The real rank also recorded
+    a collection after making it (what it finalized came first) and none at exit."""
+    def lifecycle(backend: str) -> dict[int, list[tuple[str, str]]]:
+        out = tmp_path / backend
+        r = run(*UP_2_TO_3, "--strategy", "per-communicator-agent", "--fault", "gc.cycle", "--out", str(out),
+                backend=backend)
+        assert r["verdict"] == "pass" and r["faults_fired"] == {"gc.cycle": 2}, r["detail"]
+        agents: dict[str, str] = {}  # agent name -> "a0", "a1", ...: the n-th agent its process created
+        made: dict[int, int] = {}
+        seen: dict[int, list[tuple[str, str]]] = {}
+        for line in (out / "history.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            kind, pid = rec["kind"], rec.get("pid")
+            if kind == "nixl.agent.create":
+                agents[rec["agent"]] = f"a{made.get(pid, 0)}"
+                made[pid] = made.get(pid, 0) + 1
+            if kind == "gc.collect" and pid is not None:
+                seen.setdefault(pid, []).append((kind, rec["reason"].split("@")[0]))
+            elif kind in ("gc.drop", "nixl.deregister", "nixl.agent.destroy") and rec.get("why") != "process ended":
+                seen.setdefault(pid, []).append((kind, rec.get("what") or agents[rec["agent"]]))
+        return seen
+
+    sim, real = lifecycle("sim"), lifecycle("real")
+    assert real == sim
+    assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
+                      ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"), ("nixl.agent.destroy", "a1"),
+                      ("gc.collect", "exit"), ("nixl.deregister", "a0"), ("nixl.agent.destroy", "a0")]
+
+
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():
     for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
                   ("--ranks-per-host", "1"), ("--calibration", "x.json"),

@@ -113,6 +113,45 @@ def test_synchronize_waits_for_the_stream_and_a_reader_flushes_it() -> None:
                      ("device.flush", {"pid": 7, "reason": "a stream-ordered reader", "copies": 1, "first": "z"})]
 
 
+def test_a_copy_issued_after_a_flush_runs_at_its_own_time_not_at_a_flushed_copy_s() -> None:
+    # Found by review: each issued copy arms a timer, and a flush runs the copies before their timers fire; the
+    # timers then ran whatever was oldest in the queue, so a later copy ran at a flushed copy's time, early.
+    kernel, stream = _stream_world()
+    ran: list[tuple[str, float]] = []
+
+    def rank() -> None:
+        stream.lag_s = 1.0
+        for name in ("a", "b"):  # due at 1 s and 2 s
+            stream.submit(lambda name=name: ran.append((name, kernel.now())), name)
+        kernel.sleep(0.5)
+        stream.flush("a stream-ordered reader")  # a and b run now
+        kernel.sleep(0.1)
+        stream.submit(lambda: ran.append(("c", kernel.now())), "c")  # behind the stream's backlog: due at 3 s
+
+    kernel.spawn("rank", rank, pid=7)
+    kernel.run()
+    assert ran == [("a", 0.5), ("b", 0.5), ("c", 3.0)]
+    assert stream.query()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_copy_issued_right_after_a_synchronize_is_not_run_by_the_last_copy_s_timer(seed: int) -> None:
+    # The thread's wake-up and the last copy's timer fire at the same instant, in an order the seed draws.
+    kernel = Kernel(seed=seed)
+    stream = DeviceStream(kernel, pid=7)
+    ran: list[tuple[str, float]] = []
+
+    def rank() -> None:
+        stream.lag_s = 1.0
+        stream.submit(lambda: ran.append(("x", kernel.now())), "x")
+        stream.synchronize("test")
+        stream.submit(lambda: ran.append(("y", kernel.now())), "y")
+
+    kernel.spawn("rank", rank, pid=7)
+    kernel.run()
+    assert ran == [("x", 1.0), ("y", 2.0)]
+
+
 def test_torch_cuda_is_the_simulated_stream_only_inside_a_simulated_process() -> None:
     kernel, stream = _stream_world()
     before = torch.cuda.current_stream, torch.cuda.synchronize

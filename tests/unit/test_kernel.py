@@ -155,6 +155,57 @@ def test_killed_process_never_runs_again() -> None:
     assert ran == ["finally"]
 
 
+def test_a_thread_that_kills_its_own_process_runs_no_further_line() -> None:
+    # Found by review: kill_process returned to its caller, which ran on to its next wait and was resumed from
+    # there as if blocked.  SIGKILL of one's own process does not return.
+    k = Kernel()
+    ran = []
+
+    def suicidal():
+        k.sleep(1)
+        k.kill_process(4)
+        ran.append("after the kill")
+        k.sleep(1)
+        ran.append("resumed")
+
+    def sibling():
+        k.sleep(5)
+        ran.append("sibling")
+
+    def bystander():
+        k.sleep(3)
+        ran.append("bystander")
+
+    me, sib = k.spawn("suicidal", suicidal, pid=4), k.spawn("sibling", sibling, pid=4)
+    k.spawn("bystander", bystander, pid=5)
+    k.run()
+    assert ran == ["bystander"] and (me.state, sib.state) == ("killed", "killed")
+    assert k.now() == 5.0  # the sibling's pending timer still fires, and runs nothing
+    assert [f for _, kind, f in k.history.records if kind == "process.kill"] == [
+        {"pid": 4, "threads": ["suicidal", "sibling"]}]
+
+
+def test_a_run_that_ends_before_its_until_does_not_halt_a_later_run() -> None:
+    k = Kernel()
+    ticks = []
+
+    def ticker():
+        while True:
+            k.sleep(1)
+            ticks.append(k.now())
+
+    def stopper():
+        k.sleep(2.5)
+        k.halt()
+
+    k.spawn("ticker", ticker)
+    k.spawn("stopper", stopper)
+    k.run(until=4.5)  # halted at 2.5 by the stopper
+    assert k.now() == 2.5 and ticks == [1.0, 2.0]
+    k.run(until=8.5)  # the first run's timer (4.5) must not end this one
+    assert k.now() == 8.5 and ticks == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
 def test_stuck_threads_are_reported_blocked() -> None:
     k = Kernel()
     never = k.env.event()
