@@ -13,7 +13,12 @@ group_src=)`` work on them, while ``get_rank(group)`` and ``broadcast_object_lis
 the ValueError torch raises.  As with gloo, a collective that timed out leaves the group's connections closed (every
 later collective on it fails at once, a late arrival included, and the other members' waits end), and a collective
 whose contributions do not fit together (shapes, dtypes, list lengths, roots) fails on every member instead of leaving
-the others waiting.
+the others waiting.  A member's process that ends (killed, or exited) closes its connections: the other members'
+collectives on its groups, in flight or later, fail at once with "connection closed by peer" (:func:`process_gone`).
+``Work.wait(timeout)`` raises "Operation timed out!" when its own bound passes and leaves the collective and the group
+as they were: the collective completes when the last member arrives, and a later ``wait()`` returns (a zero timeout
+is no bound).  Each of these was checked on gloo (torch 2.13, stateless groups;
+``tests/conformance/test_process_groups.py`` runs the same cases on both).
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
 ``group`` argument is a fake group, and to the real functions otherwise, so code written against
@@ -26,6 +31,7 @@ import contextlib
 import math
 import pickle
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -39,6 +45,10 @@ class CollectiveTimeout(RuntimeError):
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class ConnectionClosed(CollectiveTimeout):
+    """A member's process ended: gloo's "Connection closed by peer", on every collective of its groups."""
 
 
 class CollectiveMismatch(RuntimeError):
@@ -125,7 +135,9 @@ class Rendezvous:
         self._destroyed = False
         self._siblings: dict[str, Rendezvous] = {}
         self.broken: str | None = None  # why the group's connections closed; every later collective fails at once
+        self._gone: int | None = None  # the member whose process ended, when that is why
         self._closed = None  # the event that wakes every wait on the group when it closes (made on first use)
+        _live.setdefault(kernel, []).append(weakref.ref(self))
 
     @property
     def destroyed(self) -> bool:
@@ -154,15 +166,21 @@ class Rendezvous:
             self._closed = self.kernel.env.event()
         return self._closed
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, gone: int | None = None) -> None:
         if self.broken is None:
-            self.broken = reason
-        closed = self._closed_event()
-        if not closed.triggered:
+            self.broken, self._gone = reason, gone
+        closed = self._closed
+        # Only waits in progress need waking; a later call or wait sees ``broken`` first.  So a group closed with
+        # no one waiting (a member exiting after the group's last collective) schedules nothing and draws no
+        # tie-break: the rest of the run's history is what it would be without the close.
+        if closed is not None and closed.callbacks and not closed.triggered:
             closed.succeed()
 
     def _closed_error(self, what: str) -> RuntimeError:
-        return RuntimeError(f"{what} on group {self.name}: connection closed by peer ({self.broken})")
+        message = f"{what} on group {self.name}: connection closed by peer ({self.broken})"
+        if self._gone is not None:  # a liveness failure, as the real backend's judge calls gloo's own error
+            return ConnectionClosed(message, [self.pids.index(self._gone)])
+        return RuntimeError(message)
 
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
@@ -214,14 +232,17 @@ class Rendezvous:
 
     def finish(self, op: _Op, rank: int, private: bool = False, timeout_s: float | None = None) -> Any:
         """Wait for ``op`` (issued by :meth:`arrive`) and return this rank's result.  ``timeout_s``: a
-        ``Work.wait(timeout)`` shorter than the group's own timeout."""
+        ``Work.wait(timeout)`` shorter than the group's own timeout; when it passes first, "Operation timed out!"
+        is raised and the collective and the group are left as they are, as gloo does."""
         kind, seq = op.kind, op.seq
-        limit, own_due = self.timeout_s, math.inf
+        own_due = math.inf
+        if not op.done.triggered and self.broken is not None and not op.deadline.processed:
+            raise self._closed_error(f"{kind} #{seq}")  # closed since this collective was issued
         if not op.done.triggered:
             env = self.kernel.env
             waits = [op.done, op.deadline, self._closed_event()]
             if timeout_s is not None and timeout_s < self.timeout_s:
-                limit, own_due = timeout_s, env.now + timeout_s
+                own_due = env.now + timeout_s
                 waits.append(env.timeout(timeout_s))
             self._wait_any(waits, f"{kind} #{seq} on group {self.name}")
             # This rank's own bound is up when its time has come, whichever event of that instant woke it first.
@@ -233,12 +254,19 @@ class Rendezvous:
                 self.kernel.wait(op.done, f"{kind} #{seq} on group {self.name}")  # everyone came: only the latency
         if not op.done.triggered:
             missing = [r for r in range(len(self.pids)) if r not in op.args]
+            pids = [self.pids[r] for r in missing]
+            if not op.deadline.processed:  # this wait's own bound, not the group's timeout
+                self.kernel.history.record("collective.wait_timeout", group=self.name, op=kind, seq=seq,
+                                           pid=self.pids[rank], missing=pids)
+                lag = f"ranks {missing} (pids {pids}) had not arrived" if missing else "the result had not landed"
+                raise CollectiveTimeout(f"Operation timed out! ({kind} #{seq} on group {self.name}: {lag} after "
+                                        f"Work.wait's {timeout_s:g} s)", missing)
             self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
-                                       missing=[self.pids[r] for r in missing])
+                                       missing=pids)
             self._close(f"collective #{seq} timed out on rank {rank}")
             raise CollectiveTimeout(
-                f"{kind} #{seq} on group {self.name} timed out after {limit:g} s: ranks "
-                f"{missing} (pids {[self.pids[r] for r in missing]}) never arrived", missing)
+                f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
+                f"{missing} (pids {pids}) never arrived", missing)
         if op.error is not None:
             who, exc = op.error
             if who == rank:
@@ -278,6 +306,22 @@ class Rendezvous:
                     callbacks.remove(check)
 
 
+_live: "weakref.WeakKeyDictionary[Any, list[weakref.ref[Rendezvous]]]" = weakref.WeakKeyDictionary()  # per kernel,
+# in order of creation, so that groups close in the same order in every run
+
+
+def process_gone(kernel, pid: int, why: str = "exited") -> None:
+    """Process ``pid`` ended: its connections closed, so every group it was a member of closes (a destroyed one is
+    left alone: nothing runs on it again).  The others' waits end and their later calls fail at once, as on gloo,
+    where a peer's death fails every member's collective within milliseconds instead of at the group's timeout."""
+    refs = _live.get(kernel, [])
+    refs[:] = [ref for ref in refs if ref() is not None]
+    for ref in refs:
+        rdv = ref()
+        if rdv is not None and pid in rdv.pids and not rdv.destroyed:
+            rdv._close(f"pid {pid} {why}", gone=pid)
+
+
 class FakeProcessGroup:
     """One rank's handle on a group: ``rank()`` and ``size()`` as on a torch ProcessGroup."""
 
@@ -313,8 +357,9 @@ class _Work:
     def wait(self, timeout=None) -> bool:
         if not self._waited:
             limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+            # gloo takes a zero timeout for none; a wait that timed out leaves _waited False: a later one may finish
             result = self._g.rendezvous.finish(self._op, self._g.rank(), self._private,
-                                               None if limit is None else float(limit))
+                                               float(limit) if limit else None)
             self._waited = True
             if self._then is not None:
                 self._then(result)

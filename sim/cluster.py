@@ -151,15 +151,24 @@ class Cluster(Engine):
         return self.scenario.collective_timeout_s * 2 + 60
 
     def _join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
-        """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise."""
+        """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise.  A
+        rank that was killed never answers, and the engine knows it at once (vLLM's executor watches its worker
+        processes; the real backend's parent reads the end of the dead rank's pipe)."""
         limit = busy_s + self._command_limit_s()  # a long serving chunk is no reason to give up on it
-        ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
-        if not ok:
-            late = [p for p, ev in pending.items() if not ev.triggered]
-            desc = "; ".join(self._describe(p) for p in late)
+        # Only the engine kills a rank, between its commands: a command to a dead rank is known dead when posted.
+        dead = [p for p in pending if not self.workers[p].alive]
+        if not dead:
+            ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
+            if ok:
+                return True
+        if dead:
+            desc = "; ".join(self._describe(p) for p in dead)
+            self.oracles.stuck(f"{what}: pids {dead} were killed and will never answer: {desc}")
+        else:
+            desc = "; ".join(self._describe(p) for p, ev in pending.items() if not ev.triggered)
             self.oracles.stuck(f"{what} did not finish within {limit:g} s: {desc}")
-            self.kernel.halt()
-        return ok
+        self.kernel.halt()
+        return False
 
     def _describe(self, pid: int) -> str:
         threads = [t for t in self.kernel.threads if t.pid == pid and t.state != "done"]
@@ -198,13 +207,14 @@ class Cluster(Engine):
         self.kernel.halt()
 
     def fail_rank(self, pid: int) -> None:
-        self.end_process(pid)
         self.workers[pid].alive = False
+        self.end_process(pid, "was killed")
 
-    def end_process(self, pid: int) -> None:
+    def end_process(self, pid: int, why: str = "exited") -> None:
         self.kernel.kill_process(pid)
         self.fabric.kill_process(pid)
         self.gc.process_gone(pid)
+        torch_dist.process_gone(self.kernel, pid, why)  # its sockets closed: its groups' collectives fail at once
 
     def before_rebalance(self) -> None:
         self._cache.clear()  # every earlier move has finished (drained): its plans are garbage

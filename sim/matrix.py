@@ -208,8 +208,8 @@ def why(cell: Cell) -> tuple[str, str]:
         cause = ("PREPARE builds a second agent that registers the expert weights the live agent already holds, and "
                  "rocm-strict refuses a second registration of the same pages")
     elif r.invariant == "stuck" and cell.scenario == "rank-failure":
-        cause = ("vLLM has no rank-failure recovery yet (#46370): the engine keeps driving the dead rank, which never "
-                 "answers")
+        cause = ("vLLM has no rank-failure recovery yet (#46370): the engine's next command goes to the dead rank "
+                 "too, and the engine stops as soon as it sees that rank will never answer")
     else:
         cause = f"{r.verdict} ({r.invariant})"
     return cause, d

@@ -122,4 +122,5 @@ def test_only_torch_distributed_errors_read_as_a_collective_failure():
 
     assert verdict("DistBackendError", "Connection closed by peer [10.0.0.2]:1234") == ("liveness",
                                                                                         "collective_timeout")
+    assert verdict("RuntimeError", "Operation timed out!") == ("liveness", "collective_timeout")  # Work.wait's
     assert verdict("ValueError", "my strategy does not support Gloo groups") == ("crash", "exception")

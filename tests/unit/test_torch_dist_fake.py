@@ -251,7 +251,9 @@ def test_after_a_timeout_the_group_is_closed_and_a_late_arrival_fails_at_once() 
     assert got[1][0] == "RuntimeError" and got[1][2] == 15.0 and "connection closed by peer" in got[1][1]
 
 
-def test_work_wait_timeout_bounds_the_wait() -> None:
+def test_work_wait_timeout_raises_and_leaves_the_collective_and_the_group_as_they_were() -> None:
+    """As gloo (checked on torch 2.13): "Operation timed out!" when the wait's own bound passes; the collective
+    completes when the last member arrives, a later wait() returns with the result, and the group works on."""
     import datetime
 
     k, groups = world(2)
@@ -259,13 +261,37 @@ def test_work_wait_timeout_bounds_the_wait() -> None:
     def body(g):
         if g.rank() == 1:
             k.sleep(100.0)
-        work = torch_dist.all_reduce(torch.ones(1), group=g, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=5))
-        return "ok"
+        t = torch.full((1,), float(g.rank() + 1))
+        work = torch_dist.all_reduce(t, group=g, async_op=True)
+        seen = []
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=5))
+        except CollectiveTimeout as exc:
+            seen.append((str(exc), k.now(), work.is_completed()))
+        work.wait()
+        after = torch.ones(1)
+        torch_dist.all_reduce(after, group=g)
+        return seen, t.item(), k.now(), after.item()
 
     got = _spawn_all(k, groups, body)
-    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 5.0 and "timed out after 5 s" in got[0][1]
-    assert got[1][0] == "RuntimeError"  # arriving at 100 s on a closed group
+    assert got[0] == ("ok", ([("Operation timed out! (all_reduce[SUM] #0 on group eplb#0: ranks [1] (pids [11]) had "
+                               "not arrived after Work.wait's 5 s)", 5.0, False)], 3.0, 100.0, 2.0))
+    assert got[1] == ("ok", ([], 3.0, 100.0, 2.0))
+    assert groups[0].rendezvous.broken is None
+
+
+def test_a_zero_wait_timeout_is_no_bound() -> None:
+    import datetime
+
+    k, groups = world(2)
+
+    def body(g):
+        if g.rank() == 1:
+            k.sleep(2.0)
+        torch_dist.barrier(group=g, async_op=True).wait(timeout=datetime.timedelta(0))
+        return k.now()
+
+    assert _spawn_all(k, groups, body) == [("ok", 2.0)] * 2
 
 
 def test_async_all_reduce_is_issued_at_the_call_and_completes_without_wait() -> None:
@@ -374,26 +400,81 @@ def test_a_wait_bound_holds_while_only_the_latency_is_left() -> None:
 
     def body(g):
         work = torch_dist.barrier(group=g, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=1))
-        return "ok"
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=1))
+        except CollectiveTimeout as exc:
+            return str(exc), k.now(), work.is_completed()
+        return "no timeout"
 
     got = _spawn_all(k, groups, body)
-    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 1.0, got
+    assert got == [("ok", ("Operation timed out! (barrier #0 on group eplb#0: the result had not landed after "
+                           "Work.wait's 1 s)", 1.0, False))] * 2
 
 
-def test_a_closed_group_ends_the_other_members_waits_at_once() -> None:
-    import datetime
-
-    k, groups = world(3)
+def test_a_group_timeout_closes_the_group_and_ends_the_other_members_waits_at_once() -> None:
+    # Rank 1 waits on its second collective (issued before the first is waited for); rank 0 times out on the
+    # first, whose deadline passes: gloo closes the pairs, and rank 1's wait on the second ends then too.
+    k, groups = world(3, timeout=5.0)
 
     def body(g):
         if g.rank() == 2:
-            k.sleep(2.0)
-        work = torch_dist.barrier(group=g, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=1) if g.rank() == 0 else None)
+            k.sleep(20.0)
+            torch_dist.barrier(group=g)
+        elif g.rank() == 1:
+            k.sleep(1.0)
+            first = torch_dist.barrier(group=g, async_op=True)
+            torch_dist.barrier(group=g, async_op=True).wait()
+            first.wait()
+        else:
+            torch_dist.barrier(group=g)
         return "ok"
 
     got = _spawn_all(k, groups, body)
-    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 1.0
-    assert got[1][0] == "RuntimeError" and got[1][2] == 1.0 and "connection closed by peer" in got[1][1]
-    assert got[2][0] == "RuntimeError" and got[2][2] == 2.0
+    assert got[0][0] == "CollectiveTimeout" and got[0][2] == 5.0
+    # ended when the first timed out, not at its own deadline (6 s)
+    assert got[1][0] == "RuntimeError" and got[1][2] == 5.0 and "connection closed by peer" in got[1][1]
+    assert got[2][0] == "RuntimeError" and got[2][2] == 20.0 and "connection closed by peer" in got[2][1]
+
+
+@pytest.mark.parametrize("when", ["while they wait", "before they arrive"])
+def test_a_member_s_death_fails_the_others_collectives_at_once(when: str) -> None:
+    """As gloo (checked on torch 2.13 with a SIGKILLed member): every other member's collective on the group, in
+    flight or later, fails within milliseconds with "Connection closed by peer", not at the group's timeout."""
+    k, groups = world(3)
+    late = when == "before they arrive"
+
+    def body(g):
+        if g.rank() == 2:
+            k.sleep(1000.0)  # killed at 1 s
+        if late:
+            k.sleep(2.0)
+        errors = []
+        for call in (lambda: torch_dist.all_reduce(torch.ones(1), group=g), lambda: torch_dist.barrier(group=g)):
+            try:
+                call()
+            except CollectiveTimeout as exc:  # ConnectionClosed: a liveness failure, as the real judge calls it
+                errors.append((type(exc).__name__, str(exc), exc.missing, k.now()))
+        return errors
+
+    def killer():
+        k.sleep(1.0)
+        k.kill_process(12)
+        torch_dist.process_gone(k, 12, "was killed")
+
+    k.spawn("killer", killer, pid=99)
+    got = _spawn_all(k, groups, body)
+    t, seq = (2.0, "") if late else (1.0, " #0")  # a call on a closed group fails before it has a number
+    for rank in (0, 1):
+        assert got[rank] == ("ok", [
+            ("ConnectionClosed", f"all_reduce[SUM]{seq} on group eplb#0: connection closed by peer (pid 12 was "
+                                 "killed)", [2], t),
+            ("ConnectionClosed", "barrier on group eplb#0: connection closed by peer (pid 12 was killed)", [2], t)])
+
+
+def test_a_destroyed_group_is_not_closed_by_a_member_s_exit_and_other_groups_are() -> None:
+    k = Kernel(seed=0)
+    old, new, other = (Rendezvous(k, name, pids) for name, pids in
+                       (("eplb#0", [10, 11]), ("eplb#1", [10, 11]), ("eplb#2", [10, 12])))
+    old.destroyed = True
+    torch_dist.process_gone(k, 11)
+    assert (old.broken, new.broken, other.broken) == (None, "pid 11 exited", None)
