@@ -17,7 +17,7 @@ the others waiting.  A member's process that ends (killed, or exited) closes its
 collectives on its groups, in flight or later, fail at once with "connection closed by peer" (:func:`process_gone`).
 ``Work.wait(timeout)`` raises "Operation timed out!" when its own bound passes and leaves the collective and the group
 as they were: the collective completes when the last member arrives, and a later ``wait()`` returns (a zero timeout
-is no bound).  Each of these was checked on gloo (torch 2.13, stateless groups;
+is no bound).  Checked on gloo (torch 2.13, stateless groups, a member killed with SIGKILL;
 ``tests/conformance/test_process_groups.py`` runs the same cases on both).
 
 ``with installed():`` makes ``torch.distributed.all_gather_object`` and friends dispatch to these fakes when the
@@ -62,6 +62,7 @@ class _Op:
     args: dict[int, Any] = field(default_factory=dict)  # group rank -> contribution
     done: Any = None  # simpy event, value = result per rank
     deadline: Any = None  # simpy timeout from the first arrival: one watchdog per collective, not per waiter
+    deadline_at: float = math.inf  # when it fires
     copiers: dict = field(default_factory=dict)  # id(result) -> a function copying it, while the results live
     error: tuple[int, BaseException] | None = None  # (the rank that combined, what combining raised)
 
@@ -209,7 +210,8 @@ class Rendezvous:
         op = self._ops.get(seq)
         if op is None:
             env = self.kernel.env
-            op = self._ops[seq] = _Op(kind, seq, done=env.event(), deadline=env.timeout(self.timeout_s))
+            op = self._ops[seq] = _Op(kind, seq, done=env.event(), deadline=env.timeout(self.timeout_s),
+                                      deadline_at=env.now + self.timeout_s)
         elif op.kind != kind:
             raise CollectiveMismatch(f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, "
                                      f"others {op.kind}")
@@ -231,17 +233,21 @@ class Rendezvous:
         return op
 
     def finish(self, op: _Op, rank: int, private: bool = False, timeout_s: float | None = None) -> Any:
-        """Wait for ``op`` (issued by :meth:`arrive`) and return this rank's result.  ``timeout_s``: a
-        ``Work.wait(timeout)`` shorter than the group's own timeout; when it passes first, "Operation timed out!"
-        is raised and the collective and the group are left as they are, as gloo does."""
+        """Wait for ``op`` (issued by :meth:`arrive`) and return this rank's result.  ``timeout_s``: the bound of a
+        ``Work.wait(timeout)``; when it passes before the collective's own deadline, "Operation timed out!" is
+        raised and the collective and the group are left as they are, as gloo does (a bound that ends at or after
+        the deadline changes nothing: the deadline closes the group first)."""
         kind, seq = op.kind, op.seq
         own_due = math.inf
-        if not op.done.triggered and self.broken is not None and not op.deadline.processed:
-            raise self._closed_error(f"{kind} #{seq}")  # closed since this collective was issued
+        # Closed since this collective was issued: by a member's death, whatever the time; by another collective's
+        # failure, unless this one's own deadline has passed too (then it timed out, below).
+        if not op.done.triggered and self.broken is not None and (self._gone is not None
+                                                                  or not op.deadline.processed):
+            raise self._closed_error(f"{kind} #{seq}")
         if not op.done.triggered:
             env = self.kernel.env
             waits = [op.done, op.deadline, self._closed_event()]
-            if timeout_s is not None and timeout_s < self.timeout_s:
+            if timeout_s is not None and env.now + timeout_s < op.deadline_at:
                 own_due = env.now + timeout_s
                 waits.append(env.timeout(timeout_s))
             self._wait_any(waits, f"{kind} #{seq} on group {self.name}")
@@ -357,9 +363,11 @@ class _Work:
     def wait(self, timeout=None) -> bool:
         if not self._waited:
             limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-            # gloo takes a zero timeout for none; a wait that timed out leaves _waited False: a later one may finish
+            # torch hands gloo whole milliseconds, and gloo takes zero for no bound; a negative bound is up at once.
+            # A wait that timed out leaves _waited False: a later one may still finish.
+            ms = None if limit is None else int(float(limit) * 1000)
             result = self._g.rendezvous.finish(self._op, self._g.rank(), self._private,
-                                               float(limit) if limit else None)
+                                               None if not ms else max(ms, 0) / 1000)
             self._waited = True
             if self._then is not None:
                 self._then(result)

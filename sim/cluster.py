@@ -211,6 +211,8 @@ class Cluster(Engine):
         self.end_process(pid, "was killed")
 
     def end_process(self, pid: int, why: str = "exited") -> None:
+        """Process ``pid`` is gone.  Called by the engine only: a thread of ``pid`` itself would stop for good in
+        ``kill_process``, before the rest of this ran."""
         self.kernel.kill_process(pid)
         self.fabric.kill_process(pid)
         self.gc.process_gone(pid)

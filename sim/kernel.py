@@ -234,17 +234,19 @@ class Kernel:
         if until is not None:
             halt_at = self.env.timeout(max(0.0, until - self.env.now))
             halt_at.callbacks.append(self._halt_now)
-        with self.deterministic():
-            try:
-                self.env.run(until=self._halt)
-            except RuntimeError as exc:  # the schedule ran dry before a halt: everything finished or is stuck
-                if "No scheduled events left" not in str(exc):
-                    raise
-        if halt_at is not None and halt_at.callbacks is not None:
-            # This run ended before ``until`` (a crash, a halt): its timer stays scheduled, as SimPy cannot take an
-            # event back, but must not halt a later run() of the same world.
-            halt_at.callbacks.remove(self._halt_now)
-        self._halt = self.env.event()  # a later run() continues the same world
+        try:
+            with self.deterministic():
+                try:
+                    self.env.run(until=self._halt)
+                except RuntimeError as exc:  # the schedule ran dry before a halt: everything finished or is stuck
+                    if "No scheduled events left" not in str(exc):
+                        raise
+        finally:
+            if halt_at is not None and halt_at.callbacks is not None:
+                # This run ended before ``until`` (a crash, a halt, an interrupt): its timer stays scheduled, as
+                # SimPy cannot take an event back, but must not halt a later run() of the same world.
+                halt_at.callbacks.remove(self._halt_now)
+            self._halt = self.env.event()  # a later run() continues the same world
 
     def _halt_now(self, _event: Any) -> None:
         self.halt()

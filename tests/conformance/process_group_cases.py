@@ -4,9 +4,9 @@ when, when a member is late, when ``Work.wait`` has a bound, and when a member's
 A case body is ordinary code against ``torch.distributed`` with an explicit ``group=`` and the ``time`` module, run
 once per rank: in the simulation on fake groups in simulated time, on the real side in one process per rank on a
 stateless gloo group (as vLLM's elastic EP makes them, ``real_backends.groups``) in wall-clock time.  Each body
-returns what it saw as ``(label, outcome, second)`` rows; ``second`` is the whole second of the case's clock at which
-the call returned (the cases space their events a second or more apart, so a busy machine's milliseconds do not
-move a row)."""
+returns what it saw as ``(label, outcome, seconds)`` rows: when the call returned on the case's clock, which every
+rank (and on the real side the parent that kills a rank) starts at the same instant.  The cases space their events
+a second or more apart, and :func:`agree` accepts a real row up to ``SLACK_S`` late."""
 
 from __future__ import annotations
 
@@ -28,28 +28,42 @@ def outcome(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
+SLACK_S = 0.4  # how late a real row may be (scheduling on a loaded machine); the fake's rows are exact
 
-    def second(self) -> int:
-        return round(time.monotonic() - self.t0)
+
+class Clock:
+    """The case's clock: seconds since ``t0`` (``time.monotonic()``, one clock for every process of the machine)."""
+
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.monotonic() if t0 is None else t0
+
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+
+def agree(seen: dict[int, list], expected: dict[int, list]) -> bool:
+    """Same ranks, same rows, each at its expected second or up to SLACK_S later."""
+    return seen.keys() == expected.keys() and all(
+        len(seen[r]) == len(expected[r]) and all(
+            (label, what) == (want_label, want_what) and want_t <= t < want_t + SLACK_S
+            for (label, what, t), (want_label, want_what, want_t) in zip(seen[r], expected[r]))
+        for r in expected)
 
 
 def _call(rows: list, clock: Clock, label: str, fn: Callable[[], object]) -> None:
     try:
         value = fn()
-        rows.append((label, "ok" if value is None else f"ok: {value}", clock.second()))
+        rows.append((label, "ok" if value is None else f"ok: {value}", clock.seconds()))
     except Exception as exc:  # noqa: BLE001 - the outcome is the row
-        rows.append((label, outcome(exc), clock.second()))
+        rows.append((label, outcome(exc), clock.seconds()))
 
 
-def wait_with_a_bound(group, rank: int) -> list:
+def wait_with_a_bound(group, rank: int, clock: Clock) -> list:
     """Rank 2 arrives at 2 s; the others wait on their all_reduce with a 1 s bound, then without one."""
     import torch
     import torch.distributed as dist
 
-    clock, rows = Clock(), []
+    rows: list = []
     t = torch.full((1,), float(rank + 1))
     if rank == 2:
         time.sleep(2.0)
@@ -57,20 +71,20 @@ def wait_with_a_bound(group, rank: int) -> list:
     else:
         work = dist.all_reduce(t, group=group, async_op=True)
         _call(rows, clock, "wait 1 s", lambda: work.wait(timeout=datetime.timedelta(seconds=1)) and None)
-        rows.append(("completed after the bound", str(work.is_completed()), clock.second()))
+        rows.append(("completed after the bound", str(work.is_completed()), clock.seconds()))
         _call(rows, clock, "wait", lambda: work.wait() and None)
-    rows.append(("sum", str(t.item()), clock.second()))
+    rows.append(("sum", str(t.item()), clock.seconds()))
     after = torch.ones(1)
     _call(rows, clock, "next all_reduce", lambda: dist.all_reduce(after, group=group))
-    rows.append(("next sum", str(after.item()), clock.second()))
+    rows.append(("next sum", str(after.item()), clock.seconds()))
     return rows
 
 
-def wait_with_a_zero_bound(group, rank: int) -> list:
+def wait_with_a_zero_bound(group, rank: int, clock: Clock) -> list:
     """A zero timeout is no bound: the others wait for rank 2, which arrives at 2 s."""
     import torch.distributed as dist
 
-    clock, rows = Clock(), []
+    rows: list = []
     if rank == 2:
         time.sleep(2.0)
     work = dist.barrier(group=group, async_op=True)
@@ -78,12 +92,12 @@ def wait_with_a_zero_bound(group, rank: int) -> list:
     return rows
 
 
-def killed_while_the_others_wait(group, rank: int) -> list:
+def killed_while_the_others_wait(group, rank: int, clock: Clock) -> list:
     """Rank 2 is killed at 1 s, while the others wait in an all_reduce; then they try a barrier."""
     import torch
     import torch.distributed as dist
 
-    clock, rows = Clock(), []
+    rows: list = []
     if rank == 2:
         time.sleep(30.0)  # killed before it wakes
     _call(rows, clock, "all_reduce", lambda: dist.all_reduce(torch.ones(1), group=group))
@@ -91,12 +105,12 @@ def killed_while_the_others_wait(group, rank: int) -> list:
     return rows
 
 
-def killed_before_the_others_arrive(group, rank: int) -> list:
+def killed_before_the_others_arrive(group, rank: int, clock: Clock) -> list:
     """Rank 2 is killed at 1 s; the others reach their all_reduce at 2 s."""
     import torch
     import torch.distributed as dist
 
-    clock, rows = Clock(), []
+    rows: list = []
     time.sleep(30.0 if rank == 2 else 2.0)
     _call(rows, clock, "all_reduce", lambda: dist.all_reduce(torch.ones(1), group=group))
     _call(rows, clock, "barrier", lambda: dist.barrier(group=group))

@@ -25,7 +25,7 @@ def _fake(name: str, case: cases.Case) -> dict[int, list]:
     seen: dict[int, list] = {}
 
     def rank_main(g) -> None:
-        seen[g.rank()] = case.body(g, g.rank())
+        seen[g.rank()] = case.body(g, g.rank(), cases.Clock())  # simulated time: 0 for every rank
 
     def killer(rank: int, at: float) -> None:
         kernel.sleep(at)
@@ -49,10 +49,13 @@ def _real_rank(name: str, rank: int, port: int, out) -> None:
 
     from real_backends.groups import GroupSpec, connect_store, open_group
 
-    group = open_group(connect_store("127.0.0.1", port, 60.0), GroupSpec(name, rank, cases.WORLD), 60.0)
+    store = connect_store("127.0.0.1", port, 60.0)
+    group = open_group(store, GroupSpec(name, rank, cases.WORLD), 60.0)
     dist.all_reduce(torch.ones(1), group=group)  # every pair connected before the case's clock starts
     out.put((rank, "ready", None))
-    out.put((rank, "rows", cases.CASES[name].body(group, rank)))
+    start = float(store.get("start").decode())  # the parent's choice, on the machine's one monotonic clock
+    time.sleep(max(0.0, start - time.monotonic()))
+    out.put((rank, "rows", cases.CASES[name].body(group, rank, cases.Clock(start))))
 
 
 def _real(name: str, case: cases.Case) -> dict[int, list]:
@@ -66,15 +69,13 @@ def _real(name: str, case: cases.Case) -> dict[int, list]:
         p.start()
     seen: dict[int, list] = {}
     try:
-        ready = 0
-        while ready < cases.WORLD:
-            rank, kind, rows = out.get(timeout=120)
-            ready += kind == "ready"
-            if kind == "rows":
-                seen[rank] = rows
+        for _ in range(cases.WORLD):
+            out.get(timeout=120)  # "ready"
+        start = time.monotonic() + 0.5  # every rank sleeps until then, and the kill counts from it
+        store.set("start", repr(start))
         if case.kill is not None:
             rank, at = case.kill
-            time.sleep(at)
+            time.sleep(max(0.0, start + at - time.monotonic()))
             os.kill(procs[rank].pid, signal.SIGKILL)
         survivors = cases.WORLD - (case.kill is not None)
         while len(seen) < survivors:
@@ -96,4 +97,6 @@ def _real(name: str, case: cases.Case) -> dict[int, list]:
 def test_process_groups_agree_with_gloo(name: str, impl: str) -> None:
     case = cases.CASES[name]
     seen = _fake(name, case) if impl == "fake" else _real(name, case)
-    assert seen == case.expected
+    assert cases.agree(seen, case.expected), seen
+    if impl == "fake":  # simulated time: exactly on the second
+        assert all(t == want for r in seen for (_, _, t), (_, _, want) in zip(seen[r], case.expected[r]))

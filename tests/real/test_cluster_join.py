@@ -23,9 +23,11 @@ def bare_cluster(pids: list[int], dead: set[int]) -> RealCluster:
     return cluster
 
 
-def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after():
+def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after(monkeypatch):
     """Found by review: the wait for the other ranks' answers, once a rank is seen dead, ended at the first message
-    of any kind, so an answer 50 ms away was counted missing and its rank named as stuck."""
+    of any kind, so an answer 50 ms away was counted missing and its rank named as stuck.  (The settle is made
+    long here, so that a loaded machine's scheduling cannot make the answer late.)"""
+    monkeypatch.setattr("real_backends.cluster.SETTLE_S", 5.0)
     cluster = bare_cluster([0, 1, 2], dead={2})
     pending = {p: Handle(p, "rearrange") for p in (0, 1, 2)}
     for p in (0, 1, 2):
@@ -37,19 +39,22 @@ def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after()
         time.sleep(0.05)
         cluster.inbox.put((1, ("done", 7, None)))
 
-    threading.Thread(target=ranks_answer).start()
+    answers = threading.Thread(target=ranks_answer)
+    answers.start()
     started = time.monotonic()
     assert cluster._join(pending, "rearrange") is False
+    answers.join()
     assert cluster.stuck == ["rearrange: pids [2] exited; waiting for pids [2]"]
     assert cluster.events[-1] == ("engine.stuck", {"what": "rearrange", "pids": [2]})
-    assert time.monotonic() - started < 5  # the settle is bounded, not the command's timeout
+    assert time.monotonic() - started < 4  # ended when the living ranks had answered, not at the settle's end
 
 
-def test_the_settle_ends_at_once_when_every_living_rank_has_answered():
+def test_the_settle_ends_at_once_when_every_living_rank_has_answered(monkeypatch):
+    monkeypatch.setattr("real_backends.cluster.SETTLE_S", 10.0)
     cluster = bare_cluster([0, 1], dead={1})
     pending = {0: Handle(0, "serve"), 1: Handle(1, "serve")}
     pending[0].event.set()
     started = time.monotonic()
     assert cluster._join(pending, "serve") is False
-    assert time.monotonic() - started < 0.15
+    assert time.monotonic() - started < 5
     assert cluster.stuck == ["serve: pids [1] exited; waiting for pids [1]"]

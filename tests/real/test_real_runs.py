@@ -25,7 +25,9 @@ def _real_nixl():
 
 
 def run(*args: str, backend: str = "sim") -> dict:
-    done = epsim("run", *args, "--backend", backend, "--json", timeout=300)
+    # The simulated side runs in this interpreter (a fresh one costs seconds of imports per run); the real side is
+    # the command as a user runs it, its parent process and its rank processes.
+    done = (epsim_here if backend == "sim" else epsim)("run", *args, "--backend", backend, "--json")
     assert done.returncode in (0, 1), done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

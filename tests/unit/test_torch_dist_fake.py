@@ -478,3 +478,69 @@ def test_a_destroyed_group_is_not_closed_by_a_member_s_exit_and_other_groups_are
     old.destroyed = True
     torch_dist.process_gone(k, 11)
     assert (old.broken, new.broken, other.broken) == (None, "pid 11 exited", None)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_wait_bound_that_ends_with_the_deadline_is_the_deadline_whatever_the_seed(seed: int) -> None:
+    # Found by review: a bound ending at the collective's deadline raced it in the tie-break, so the seed chose
+    # between "Operation timed out!" (group left open) and the group's timeout (group closed).
+    import datetime
+
+    k = Kernel(seed=seed)
+    groups = Rendezvous(k, "eplb#0", [10, 11], 300.0).groups()
+
+    def body(g):
+        if g.rank() == 1:
+            return "absent"
+        work = torch_dist.barrier(group=g, async_op=True)
+        k.sleep(100.0)
+        work.wait(timeout=datetime.timedelta(seconds=200))
+
+    got = _spawn_all(k, groups, body)
+    assert got[0] == ("CollectiveTimeout", "barrier #0 on group eplb#0 timed out after 300 s: ranks [1] (pids [11]) "
+                                           "never arrived", 300.0)
+    assert groups[0].rendezvous.broken == "collective #0 timed out on rank 0"
+
+
+def test_a_collective_in_flight_when_a_member_died_fails_as_closed_even_when_waited_after_its_deadline() -> None:
+    k, groups = world(3)
+
+    def body(g):
+        if g.rank() == 2:
+            k.sleep(1000.0)
+        work = torch_dist.all_reduce(torch.ones(1), group=g, async_op=True)
+        k.sleep(400.0)  # past the collective's 300 s deadline
+        work.wait()
+
+    def killer():
+        k.sleep(1.0)
+        k.kill_process(12)
+        torch_dist.process_gone(k, 12, "was killed")
+
+    k.spawn("killer", killer, pid=99)
+    got = _spawn_all(k, groups, body)
+    assert got[0] == got[1] == ("ConnectionClosed", "all_reduce[SUM] #0 on group eplb#0: connection closed by peer "
+                                                    "(pid 12 was killed)", 400.0)
+    assert not [f for _, kind, f in k.history.records if kind == "collective.timeout"]
+
+
+@pytest.mark.parametrize("seconds, outcome", [(0.0004, ("ok", 2.0)), (-1.0, "timed out at 0 s")])
+def test_wait_bounds_are_whole_milliseconds_as_torch_hands_them_to_gloo(seconds: float, outcome) -> None:
+    import datetime
+
+    k, groups = world(2)
+
+    def body(g):
+        if g.rank() == 1:
+            k.sleep(2.0)
+            torch_dist.barrier(group=g)
+            return k.now()
+        work = torch_dist.barrier(group=g, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))  # under 1 ms is 0 ms: no bound
+        except CollectiveTimeout as exc:
+            assert str(exc).startswith("Operation timed out!")
+            return f"timed out at {k.now():g} s"
+        return k.now()
+
+    assert _spawn_all(k, groups, body)[0] == (outcome if isinstance(outcome, tuple) else ("ok", outcome))
