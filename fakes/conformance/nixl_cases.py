@@ -368,6 +368,44 @@ def transfer_notifications(b: Backend):
     return [{k: [m.decode() for m in v] for k, v in first.items()}, {k: [m.decode() for m in v] for k, v in got.items()}]
 
 
+def _collect(a, got: dict) -> dict:
+    for k, v in a.get_new_notifs().items():
+        got.setdefault(k, []).extend(m.decode() for m in v)
+    return got
+
+
+@case(["PROC", True, {}, "DONE", {"B": ["n"]}], transport="tcp")
+def notification_waits_for_the_initiators_check(b: Backend):
+    """Row 19: the notification of a READ in flight at its post is sent by the initiator's check that finds it done:
+    with the bytes landed and no check, the target has nothing (observed on tcp, 1.5.1)."""
+    a, t, bb, u = _pair(b, 1 << 20)
+    h, first = _read(b, bb, u, t, notif=b"n")
+    if first == "DONE":
+        return "completed at post"
+    got: dict = {}
+    landed = bool(b.wait(lambda: _collect(a, got) is not None and b.same(t, u)))
+    b.wait(lambda: _collect(a, got) and False, 20)  # a while longer: still nothing
+    before = dict(got)
+    state = _finish(b, bb, h)
+    b.wait(lambda: _collect(a, got))
+    return [first, landed, before, state, got]
+
+
+@case(["PROC", None, True, {}], transport="tcp")
+def released_in_flight_still_lands(b: Backend):
+    """Row 22: releasing a READ still in flight returns at once and does not cancel it: its bytes land (16 MiB over
+    tcp here; a whole 1 GiB READ or WRITE when probed), and its notification is never sent."""
+    a, t, bb, u = _pair(b, 16 << 20)
+    h, first = _read(b, bb, u, t, notif=b"n")
+    if first == "DONE":
+        return "completed at post"
+    released = observe(lambda: bb.release_xfer_handle(h))
+    got: dict = {}
+    landed = bool(b.wait(lambda: _collect(a, got) is not None and b.same(t, u), 400))
+    b.wait(lambda: _collect(a, got) and False, 20)
+    return [first, released, landed, got]
+
+
 @case([None, {"B": ["yo"]}, "nixlNotFoundError"])
 def standalone_notification(b: Backend):
     """send_notif reaches a known peer; towards an unknown name it is NOT_FOUND."""
