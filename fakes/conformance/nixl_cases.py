@@ -457,6 +457,30 @@ def descriptor_outside_registration(b: Backend):
             observe(lambda: bb.prep_xfer_dlist("NIXL_INIT_AGENT", loc_past, b.memory))]
 
 
+@case(["RuntimeError"] * 4 + ["ok", "TypeError"] + ["ValueError"] * 3 + [2 ** 64 - 8, "RuntimeError", "TypeError"])
+def descriptor_numbers_as_the_bindings_cast_them(b: Backend):
+    """Rows 5 and 20: addresses, lengths and devices are uint64 to pybind11: a float (a stride computed with `/`),
+    a negative number or one past 2^64 is a RuntimeError, numpy integers are fine; a tuple of tuples is no list;
+    numpy lists must be 64-bit integers in C order, and a negative int64 reads back as uint64; a meta that is no
+    string or bytes is refused at registration."""
+    a, t = b.agent("A"), b.buf(N)
+    base, mem = t.data_ptr(), b.memory
+    xfer = a.get_xfer_descs
+    wide = np.array([[base, 8, 0, 1], [base + 8, 8, 0, 1]], dtype=np.uint64)
+    return [observe(lambda: xfer([(base, N / 4, 0)], mem)),
+            observe(lambda: xfer([(base, -8, 0)], mem)),
+            observe(lambda: xfer([(base, 8, -1)], mem)),
+            observe(lambda: xfer([(2 ** 64, 8, 0)], mem)),
+            observe(lambda: xfer([(np.uint64(base), np.int32(8), np.int64(0))], mem) and "ok"),
+            observe(lambda: xfer(((base, 8, 0), (base + 8, 8, 0)), mem)),
+            observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.int32), mem)),
+            observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.float64), mem)),
+            observe(lambda: xfer(wide[:, :3], mem)),
+            observe(lambda: xfer(np.array([[5, -8, 0]], dtype=np.int64), mem)[0][1]),
+            observe(lambda: a.register_memory([(base, 8, 0, 5)], mem)),
+            observe(lambda: a.register_memory(((base, 8, 0, ""),), mem))]
+
+
 @case(["nixlInvalidParamError", "nixlInvalidParamError"])
 def length_or_count_mismatch(b: Backend):
     """Row 20: different lengths or descriptor counts are INVALID_PARAM."""

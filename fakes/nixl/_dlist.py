@@ -6,13 +6,46 @@ reads back as bytes.  They pickle, so ``get_serialized_descs``/``deserialize_des
 
 from __future__ import annotations
 
+import operator
 from typing import Any
+
+import numpy as np
 
 from ._status import nixl_mem_t
 
+_U64 = 1 << 64
+_CAST = ("Unable to cast Python instance of type {} to C++ type '?' (#define PYBIND11_DETAILED_ERROR_MESSAGES or "
+         "compile in debug mode for details)")
 
-def _as_int(value: Any) -> int:
-    return int(value)
+
+def _u64(value: Any) -> int:
+    """A descriptor's address, length or device as pybind11 casts it to uint64_t: an int (or an object with
+    ``__index__``, a numpy integer) in [0, 2^64).  A float (a stride computed with ``/``), a negative number or a
+    larger one is refused with pybind11's RuntimeError, as 1.5.1 refuses it."""
+    if type(value) is not int:
+        if isinstance(value, float) or not hasattr(value, "__index__"):
+            raise RuntimeError(_CAST.format(type(value)))
+        value = operator.index(value)
+    if 0 <= value < _U64:
+        return value
+    raise RuntimeError(_CAST.format(type(value)))
+
+
+def _meta(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise RuntimeError(_CAST.format(type(value)))
+
+
+def _rows(array: Any) -> list:
+    """The rows of an Nx3 numpy array as 1.5.1 reads them: 64-bit integers only, C order, as uint64."""
+    if array.dtype not in (np.int64, np.uint64):
+        raise ValueError("descs must be a Nx3 numpy array of uint64 or int64")
+    if not array.flags.c_contiguous:
+        raise ValueError("descs must be a C-contiguous numpy array")
+    return array.astype(np.uint64, copy=False).tolist()  # a negative int64 wraps, as a reinterpreting read does
 
 
 _MEM_TYPES = {int(m): m for m in nixl_mem_t}
@@ -37,24 +70,25 @@ class _DList:
             if hasattr(descs, "ndim"):  # numpy Nx3
                 if descs.ndim != 2 or descs.shape[1] != 3:
                     raise ValueError("descs must be a 2D numpy array with 3 columns")
-                for row in descs.tolist():
+                for row in _rows(descs):
                     self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
                 return
+            # pybind11 takes a list, a numpy array or a size: a tuple of tuples matches no constructor
+            raise TypeError(f"__init__(): incompatible constructor arguments; got {type(descs).__name__}, expected "
+                            "a list of tuples, an Nx3 numpy array or a size")
         arity = self._arity
         for desc in descs:
             if not isinstance(desc, tuple) or len(desc) != arity:
                 raise ValueError(f"Each descriptor tuple must have exactly {arity} elements")
-        if arity == 3:  # the transfer path: one comprehension, no call per descriptor
-            self._descs = [(int(a), int(n), int(d)) for a, n, d in descs]
+        if arity == 3:  # the transfer path: one comprehension, no tuple built twice
+            self._descs = [(_u64(a), _u64(n), _u64(d)) for a, n, d in descs]
         else:
             self._descs = [self._make(desc) for desc in descs]
 
     def _make(self, desc: tuple) -> tuple:
-        addr, length, dev = _as_int(desc[0]), _as_int(desc[1]), _as_int(desc[2])
+        addr, length, dev = _u64(desc[0]), _u64(desc[1]), _u64(desc[2])
         if self._arity == 4:
-            meta = desc[3]
-            meta = meta.encode() if isinstance(meta, str) else bytes(meta)
-            return (addr, length, dev, meta)
+            return (addr, length, dev, _meta(desc[3]))
         return (addr, length, dev)
 
     # -- the pybind11 surface -------------------------------------------------------------------------------
@@ -82,7 +116,7 @@ class _DList:
         del self._descs[i]
 
     def index(self, desc: tuple) -> int:
-        key = tuple(_as_int(x) for x in desc[:3])
+        key = tuple(_u64(x) for x in desc[:3])
         for i, d in enumerate(self._descs):
             if d[:3] == key:
                 return i
