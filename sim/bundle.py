@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from . import __version__
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
-from .errors import EpsimError, validation_line
+from .errors import EpsimError, one_line, validation_line
 from .outputs import RUN_FILES
 
 FORMAT = 1
@@ -176,7 +176,24 @@ def load(path: str | Path) -> Bundle:
         b.faults()
     except EpsimError as exc:
         raise BundleError(f"{meta}: {exc}") from None
+    recorded_tape(path)  # a damaged tape is refused before anything runs
     return b
+
+
+def recorded_tape(path: Path) -> list | None:
+    """The decisions of the bundle's ``tape.json`` (None without one); a file that is not such a tape is a
+    :class:`BundleError`."""
+    tape_file = path / "tape.json"
+    if not tape_file.is_file():
+        return None
+    try:
+        tape = json.loads(tape_file.read_text())
+    except (OSError, ValueError) as exc:  # (a UnicodeDecodeError is a ValueError)
+        raise BundleError(f"{tape_file}: not a readable tape ({one_line(str(exc))})") from None
+    decisions = tape.get("decisions") if isinstance(tape, dict) else None
+    if not isinstance(decisions, list) or not all(isinstance(d, list) and len(d) >= 3 for d in decisions):
+        raise BundleError(f"{tape_file}: not a tape epsim wrote (no list of decisions)")
+    return decisions
 
 
 # What replaying needs (failure.json and scenario.yaml; the seed alone decides the run) and the run's tape of
@@ -225,10 +242,9 @@ class Replay:
     def tape_divergence(self) -> str | None:
         """Where the replay's decisions first differ from the bundle's tape (``tape.json``), or None: the first
         decision that differs says which component's choices changed (a fault's, the collector's, a UUID)."""
-        path = self.bundle.path / "tape.json"
-        if not path.is_file():
+        recorded = recorded_tape(self.bundle.path)
+        if recorded is None:
             return None
-        recorded = json.loads(path.read_text()).get("decisions", [])
         now = json.loads(json.dumps(getattr(self.result, "tape", []), default=str))
         for i, (was, is_) in enumerate(zip(recorded, now)):
             if was != is_:

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 from . import __version__
 from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line
-from .outputs import OutputFailed, bundle_dir, writable_dir, writable_file
+from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
 
@@ -107,7 +107,7 @@ def run(
         if (Path(out) / "failure.json").is_file():
             raise BadOutput(f"--out {out}: that is a failure bundle, whose history and tape the run would replace; "
                             f"give another directory")
-        writable_dir(out, "--out")  # before the run: a bad path costs one line, not the run
+        run_dir(out, "--out")  # before the run: a bad path costs one line, not the run
     try:
         result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                            out=out, check_determinism=check_determinism, overrides=overrides,
@@ -369,7 +369,7 @@ def replay(
         if (Path(out) / "failure.json").is_file():
             raise BadOutput(f"--out {out}: that is a failure bundle, whose tape and history the replay would "
                             f"replace; give another directory")
-        writable_dir(out, "--out")
+        run_dir(out, "--out")
     rep = bundle_mod.replay(bundle, out)
     exp, r = rep.bundle.expected, rep.result
     tape = rep.tape_divergence()

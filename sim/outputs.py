@@ -69,6 +69,28 @@ def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES
     return p
 
 
+def run_dir(path: str | Path, option: str) -> Path:
+    """``path`` as a folder a run's files may be written into: new, empty, holding none of them, or an earlier
+    run's (whose run files are replaced, other files kept).  A folder holding files of those names that are not an
+    earlier run's (no ``result.json`` epsim wrote) is refused: they may be someone's own."""
+    p = writable_dir(path, option)
+    present = [name for name in RUN_FILES if (p / name).exists()]
+    if present and not _earlier_run(p / "result.json"):
+        raise BadOutput(f"{option} {path}: it holds {', '.join(present)}, which no earlier epsim run wrote (no "
+                        f"result.json of one); give a new or empty directory, or an earlier run's folder")
+    return p
+
+
+def _earlier_run(result: Path) -> bool:
+    import json
+
+    try:
+        data = json.loads(result.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"verdict", "trace_hash", "seed", "strategy"} <= data.keys()
+
+
 def writable_file(path: str | Path, option: str) -> Path:
     """``path`` as a file this process can create or replace (its directory made if missing)."""
     p = _nonempty(path, option)

@@ -63,6 +63,9 @@ class ResultsDB:
             raise DatabaseError(f"{self.path}: that is a directory; give a file name")
         try:
             if create:
+                if self.path.is_file():
+                    with open(self.path, "r+b"):  # a read-only file: refused here, before SQLite makes its -wal
+                        pass
                 if self.path.is_file() and self.path.stat().st_size:
                     # Someone's file stays as it was unless it is already one of ours (WAL mode alone rewrites it).
                     try:
@@ -76,12 +79,30 @@ class ResultsDB:
                 self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a kill
                 self._create()
             else:
-                self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+                self._db = self._read_only()
                 self._check_schema()
         except sqlite3.DatabaseError as exc:
             raise DatabaseError(f"{self.path}: not a usable SQLite results database ({exc})") from None
+        except PermissionError as exc:
+            raise DatabaseError(f"{self.path}: cannot write to it ({exc.strerror or exc}); give a file you can "
+                                "write") from None
         except OSError as exc:
             raise DatabaseError(f"{self.path}: cannot open it ({exc.strerror or exc})") from None
+
+    def _read_only(self) -> sqlite3.Connection:
+        """A read-only connection.  A database in WAL mode needs its -shm file even to be read; in a folder this
+        process cannot write (a read-only mount, an archive) it is opened as immutable instead, which is right
+        as long as no sweep writes it meanwhile."""
+        uri = self.path.resolve().as_uri()
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=30.0)
+        try:
+            db.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+            return db
+        except sqlite3.OperationalError as exc:
+            db.close()
+            if "readonly" not in str(exc) and "unable to open" not in str(exc):
+                raise
+        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=30.0)
 
     def _check_schema(self) -> None:
         tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -129,9 +150,12 @@ class ResultsDB:
 
     # -- writing ----------------------------------------------------------------------------------------------
     def new_sweep(self, command: str, planned: int, started_at: float) -> int:
-        with self._db:
-            cur = self._db.execute("INSERT INTO sweeps (command, planned, started_at) VALUES (?, ?, ?)",
-                                   (command, planned, started_at))
+        try:
+            with self._db:
+                cur = self._db.execute("INSERT INTO sweeps (command, planned, started_at) VALUES (?, ?, ?)",
+                                       (command, planned, started_at))
+        except sqlite3.OperationalError as exc:  # the first write of a sweep: before any run
+            raise DatabaseError(f"{self.path}: cannot write to it ({exc})") from None
         return int(cur.lastrowid)
 
     def add(self, row: dict[str, Any]) -> bool:

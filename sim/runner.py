@@ -77,15 +77,16 @@ def parse_overrides(items) -> dict:
     out = {}
     for item in items:
         key, eq, raw = item.partition("=")
+        shown = repr(item if len(item) <= 80 else item[:60] + "...")  # the one line stays readable
         if not eq or not key.strip():
-            raise ScenarioError(f"--set {item!r}: write KEY=VALUE, for example ranks=3 or timeline.0.to=2")
+            raise ScenarioError(f"--set {shown}: write KEY=VALUE, for example ranks=3 or timeline.0.to=2")
         if not raw.strip():
-            raise ScenarioError(f"--set {item!r}: no value; write {key.strip()}=null for none")
+            raise ScenarioError(f"--set {shown}: no value; write {key.strip()}=null for none")
         try:
             out[key.strip()] = scenario_mod.load_value(raw)
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or "not a YAML value"
-            raise ScenarioError(f"--set {item!r}: the value is not a YAML scalar or list ({problem})") from None
+            raise ScenarioError(f"--set {shown}: the value is not a YAML scalar or list ({problem})") from None
     return out
 
 

@@ -449,9 +449,25 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9
                               list("-+0123456789"))
 
 
+class TooDeep(yaml.YAMLError):
+    """YAML nested past what the parser's recursion allows: one line, not a RecursionError's thousand."""
+
+    problem = "nested too deeply"
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+def _parse(text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise TooDeep() from None
+
+
 def load_value(text: str) -> Any:
     """One YAML value as a scenario file reads it (``--set``)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return _parse(text)
 
 
 def from_dict(data: Any, source: str = "scenario") -> Scenario:
@@ -463,6 +479,8 @@ def from_dict(data: Any, source: str = "scenario") -> Scenario:
         return Scenario.model_validate(data)
     except ValidationError as exc:
         raise ScenarioError(f"{source}: {_error_line(exc)}") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: a value nested too deeply") from None
 
 
 MAX_FILE_BYTES = 1 << 20  # a scenario is a few hundred bytes; the largest timelines a few hundred lines
@@ -484,7 +502,7 @@ def _load_file(path: Path, shown: str) -> Scenario:
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{shown}: cannot read: {_one_line(str(exc))}") from None
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        data = _parse(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown

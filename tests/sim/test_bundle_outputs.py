@@ -190,3 +190,14 @@ def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_pa
                                   command="test")
     assert out.ran == 2 and out.bundles == [] and out.new_signatures == []
     assert not (tmp_path / "bundles").exists()
+
+
+@pytest.mark.parametrize("tape", ["garbage", "[]", '"x"', '{"decisions": [1, 2]}'])
+def test_a_damaged_tape_is_one_line_before_the_replay_runs(tape: str, tmp_path: Path) -> None:
+    """Found by probing: a tape.json that was not JSON, or not a tape, ended the replay in a traceback."""
+    damaged = Path(shutil.copytree(CORPUS / "broken-finalizer-gc-late", tmp_path / "b"))
+    (damaged / "tape.json").write_text(tape)
+    out = tmp_path / "out"
+    line = _one_error_line(epsim_here("replay", str(damaged), "--out", str(out)))
+    assert line.startswith(f"epsim: error: {damaged / 'tape.json'}: not a")
+    assert not (out / "history.jsonl").exists()  # refused before the replay

@@ -287,3 +287,42 @@ def test_report_on_a_directory_is_one_line_also_without_plots(path: str, line: s
     """Found by review: the default plots folder was derived from the path first, a traceback for '.' and '/'."""
     done = epsim_here("report", path, "--no-plots")
     assert (done.returncode, done.stderr) == (2, f"epsim: error: {line}\n")
+
+
+def _as_a_user(*args: str) -> subprocess.CompletedProcess:
+    """``epsim ARGS`` in a fresh interpreter that file permissions apply to: as root, without the capabilities that
+    override them (``setpriv``, util-linux)."""
+    import shutil
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file permissions cannot be enforced")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+    return subprocess.run([*prefix, sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_read_only_database_is_one_line_for_a_sweep_and_readable_for_a_report(tmp_path: Path) -> None:
+    """Found by probing: a sweep into a read-only database file was a traceback at its first write (leaving -wal
+    and -shm files), and a report could not read a database in a read-only folder, since SQLite's WAL mode needs
+    its -shm file even to read."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = folder / "r.db"
+    assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
+    for name in ("r.db-wal", "r.db-shm"):
+        (folder / name).unlink(missing_ok=True)  # as a copy of the database alone would be
+    db.chmod(0o444)
+    before = sorted(p.name for p in folder.iterdir())
+    done = _as_a_user("sweep", "steady", "--seeds", "5:7", "--db", str(db))
+    assert (done.returncode, done.stderr) == (2, f"epsim: error: {db}: cannot write to it (Permission denied); "
+                                                 "give a file you can write\n")
+    assert sorted(p.name for p in folder.iterdir()) == before
+    folder.chmod(0o555)
+    try:
+        done = _as_a_user("report", str(db), "--no-plots", "--json")
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runs"] == 2

@@ -118,8 +118,9 @@ def test_a_run_whose_files_cannot_be_written_prints_its_result_then_one_line(tmp
     """Found by review: a write error after the run (a full disk) lost the verdict in a traceback and exited 1.  Now
     the result comes first, then one line, exit 2; the files already there stay whole."""
     out = tmp_path / "o"
-    out.mkdir()
+    assert epsim_here("run", "steady", "--out", str(out)).returncode == 0  # an earlier run's folder
     (out / "history.jsonl").write_text("an earlier run\n")
+    (out / "trace.perfetto.json").unlink()
     (out / ".trace.perfetto.json.part").mkdir()  # where the trace is written first: writing it fails
     done = epsim_here("run", "steady", "--out", str(out), "--json")
     assert done.returncode == 2, done.stderr
@@ -306,3 +307,34 @@ def test_a_bug_in_the_engine_is_an_internal_error_not_a_verdict(monkeypatch) -> 
     [spec] = sweep_mod.plan("steady", range(1), ["shared-agent"])
     row = sweep_mod.execute(spec)
     assert row["verdict"] == "error" and row["detail"].startswith("InternalError: epsim's engine failed")
+
+
+def test_yaml_nested_past_the_parser_s_recursion_is_one_line(tmp_path) -> None:
+    """Found by probing: a scenario file or a --set value nested a thousand deep ended in a RecursionError's
+    thousand-line traceback, with exit 1 (a verdict's code)."""
+    deep = "[" * 5000 + "]" * 5000
+    (tmp_path / "deep.yaml").write_text("description: " + deep + "\n")
+    for args in (("run", str(tmp_path / "deep.yaml")), ("run", "steady", "--set", "description=" + deep)):
+        done = epsim_here(*args)
+        assert done.returncode == 2 and not done.stdout, done.stderr[-300:]
+        [line] = done.stderr.strip().splitlines()
+        assert line.endswith("nested too deeply)") or line.endswith("invalid YAML: nested too deeply"), line
+        assert len(line) < 200  # the value is shortened, not echoed whole
+
+
+def test_run_out_keeps_files_no_earlier_run_wrote(tmp_path) -> None:
+    """Found by probing: --out replaced a history.jsonl that was someone's own.  An earlier run's folder is still
+    written again (its result.json says it is one)."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "history.jsonl").write_text("precious\n")
+    done = epsim_here("run", "steady", "--out", str(own))
+    assert done.returncode == 2 and not done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert line == (f"epsim: error: --out {own}: it holds history.jsonl, which no earlier epsim run wrote (no "
+                    "result.json of one); give a new or empty directory, or an earlier run's folder")
+    assert (own / "history.jsonl").read_text() == "precious\n"
+    earlier = tmp_path / "earlier"
+    for _ in range(2):
+        assert epsim_here("run", "steady", "--out", str(earlier)).returncode == 0
+    assert json.loads((earlier / "result.json").read_text())["verdict"] == "pass"
