@@ -436,6 +436,16 @@ def test_a_group_timeout_closes_the_group_and_ends_the_other_members_waits_at_on
     assert got[2][0] == "RuntimeError" and got[2][2] == 20.0 and "connection closed by peer" in got[2][1]
 
 
+def _kill_at(k, pid: int, at: float) -> None:
+    """Process ``pid`` killed at ``at`` simulated seconds, as the cluster ends a rank's process."""
+    def killer():
+        k.sleep(at)
+        k.kill_process(pid)
+        torch_dist.process_gone(k, pid, "was killed")
+
+    k.spawn("killer", killer, pid=99)
+
+
 @pytest.mark.parametrize("when", ["while they wait", "before they arrive"])
 def test_a_member_s_death_fails_the_others_collectives_at_once(when: str) -> None:
     """As gloo (checked on torch 2.13 with a SIGKILLed member): every other member's collective on the group, in
@@ -456,12 +466,7 @@ def test_a_member_s_death_fails_the_others_collectives_at_once(when: str) -> Non
                 errors.append((type(exc).__name__, str(exc), exc.missing, k.now()))
         return errors
 
-    def killer():
-        k.sleep(1.0)
-        k.kill_process(12)
-        torch_dist.process_gone(k, 12, "was killed")
-
-    k.spawn("killer", killer, pid=99)
+    _kill_at(k, 12, 1.0)
     got = _spawn_all(k, groups, body)
     t, seq = (2.0, "") if late else (1.0, " #0")  # a call on a closed group fails before it has a number
     for rank in (0, 1):
@@ -512,12 +517,7 @@ def test_a_collective_in_flight_when_a_member_died_fails_as_closed_even_when_wai
         k.sleep(400.0)  # past the collective's 300 s deadline
         work.wait()
 
-    def killer():
-        k.sleep(1.0)
-        k.kill_process(12)
-        torch_dist.process_gone(k, 12, "was killed")
-
-    k.spawn("killer", killer, pid=99)
+    _kill_at(k, 12, 1.0)
     got = _spawn_all(k, groups, body)
     assert got[0] == got[1] == ("ConnectionClosed", "all_reduce[SUM] #0 on group eplb#0: connection closed by peer "
                                                     "(pid 12 was killed)", 400.0)
