@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import os
@@ -108,11 +109,15 @@ def run(
             raise BadOutput(f"--out {out}: that is a failure bundle, whose history and tape the run would replace; "
                             f"give another directory")
         run_dir(out, "--out")  # before the run: a bad path costs one line, not the run
+    # With --json, stdout holds the one JSON object: what the code under test prints (a strategy's module at
+    # import, a finalizer) goes to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
-        result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
-                                           out=out, check_determinism=check_determinism, overrides=overrides,
-                                           backend=backend, device=device, timeout_s=timeout,
-                                           calibration=calibration, ranks_per_host=ranks_per_host)
+        with quiet:
+            result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
+                                               out=out, check_determinism=check_determinism, overrides=overrides,
+                                               backend=backend, device=device, timeout_s=timeout,
+                                               calibration=calibration, ranks_per_host=ranks_per_host)
     except OutputFailed as exc:  # the run finished: its result first, then the one line about its files
         typer.echo(json.dumps(exc.result.to_dict()) if as_json else runner.summary(exc.result, None))
         raise

@@ -338,3 +338,15 @@ def test_run_out_keeps_files_no_earlier_run_wrote(tmp_path) -> None:
     for _ in range(2):
         assert epsim_here("run", "steady", "--out", str(earlier)).returncode == 0
     assert json.loads((earlier / "result.json").read_text())["verdict"] == "pass"
+
+
+def test_what_the_code_under_test_prints_stays_out_of_the_json(tmp_path, monkeypatch) -> None:
+    """Found by probing: a strategy module that prints at import put its text on stdout once per simulated process,
+    before the JSON object, so `epsim run --json | jq` broke."""
+    (tmp_path / "chatty.py").write_text("print('chatty strategy loaded')\n"
+                                        "from sim.eplb.communicators.shared_agent import create\n")
+    monkeypatch.chdir(tmp_path)
+    done = epsim_here("run", "steady", "--strategy", "chatty:create", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["verdict"] == "pass"
+    assert "chatty strategy loaded" in done.stderr
