@@ -80,7 +80,8 @@ def _ranks(n: int) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
+    # allow_inf_nan: a NaN or an infinity is "not a finite number", not "out of range" (which NaN never is)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False, allow_inf_nan=False)
 
 
 class ModelShape(_Strict):
