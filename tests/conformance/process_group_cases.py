@@ -23,7 +23,8 @@ def outcome(exc: BaseException) -> str:
     text = str(exc).lower()
     if "operation timed out" in text:
         return "error: operation timed out"
-    if "connection closed by peer" in text:
+    # gloo says either, by which side of the pair noticed first (seen both on one machine, run to run)
+    if "connection closed by peer" in text or "connection reset by peer" in text:
         return "error: connection closed by peer"
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
