@@ -8,6 +8,7 @@ answer is the path, made if missing, or :class:`~sim.errors.BadOutput` naming th
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -82,8 +83,6 @@ def run_dir(path: str | Path, option: str) -> Path:
 
 
 def _earlier_run(result: Path) -> bool:
-    import json
-
     try:
         data = json.loads(result.read_text())
     except (OSError, ValueError):

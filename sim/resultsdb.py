@@ -66,13 +66,14 @@ class ResultsDB:
                 if self.path.is_file():
                     with open(self.path, "r+b"):  # a read-only file: refused here, before SQLite makes its -wal
                         pass
-                if self.path.is_file() and self.path.stat().st_size:
-                    # Someone's file stays as it was unless it is already one of ours (WAL mode alone rewrites it).
-                    try:
-                        ResultsDB(self.path, create=False).close()
-                    except NotOurs:
-                        raise DatabaseError(f"{self.path}: a file that is not an epsim results database; give a new "
-                                            f"file, or one that epsim sweep wrote") from None
+                    if self.path.stat().st_size:
+                        # Someone's file stays as it was unless it is already one of ours (WAL mode alone rewrites
+                        # it).
+                        try:
+                            ResultsDB(self.path, create=False).close()
+                        except NotOurs:
+                            raise DatabaseError(f"{self.path}: a file that is not an epsim results database; give a "
+                                                f"new file, or one that epsim sweep wrote") from None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(str(self.path), timeout=30.0)
                 self._db.execute("PRAGMA journal_mode=WAL")

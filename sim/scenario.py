@@ -459,16 +459,12 @@ class TooDeep(yaml.YAMLError):
         return self.problem
 
 
-def _parse(text: str) -> Any:
+def load_value(text: str) -> Any:
+    """One YAML value as a scenario file reads it (a whole file, or a ``--set`` value)."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except RecursionError:
         raise TooDeep() from None
-
-
-def load_value(text: str) -> Any:
-    """One YAML value as a scenario file reads it (``--set``)."""
-    return _parse(text)
 
 
 def from_dict(data: Any, source: str = "scenario") -> Scenario:
@@ -503,7 +499,7 @@ def _load_file(path: Path, shown: str) -> Scenario:
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{shown}: cannot read: {_one_line(str(exc))}") from None
     try:
-        data = _parse(text)
+        data = load_value(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown
