@@ -123,9 +123,11 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
 
 def parse(text: str) -> Armed:
     """``SITE[:k=v,...]`` from the command line; values become int, float or bool where they look like one."""
-    site, _, rest = text.partition(":")
+    site, colon, rest = text.partition(":")
     params: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
+    if colon and not rest.strip():  # `gc.late:` reads as a parameter list lost on the way (a shell variable)
+        raise ScenarioError(f"--fault {text!r}: nothing after ':'; give k=v parameters or leave the ':' out")
+    for item in rest.split(",") if colon else ():
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise ScenarioError(f"--fault {text!r}: parameters are k=v separated by commas")

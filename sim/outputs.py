@@ -73,8 +73,9 @@ def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES
 def run_dir(path: str | Path, option: str) -> Path:
     """``path`` as a folder a run's files may be written into: new, empty, holding none of them, or an earlier
     run's (whose run files are replaced, other files kept).  A folder holding files of those names that are not an
-    earlier run's (no ``result.json`` epsim wrote) is refused: they may be someone's own."""
-    p = writable_dir(path, option)
+    earlier run's (no ``result.json`` epsim wrote) is refused: they may be someone's own.  A missing folder is only
+    checked here; :func:`write_run_files` makes it, so a run stopped with Ctrl-C leaves no empty folder behind."""
+    p = writable_dir(path, option, make=False)
     present = [name for name in RUN_FILES if (p / name).exists()]
     if present and not _earlier_run(p / "result.json"):
         raise BadOutput(f"{option} {path}: it holds {', '.join(present)}, which no earlier epsim run wrote (no "

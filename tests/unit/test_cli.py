@@ -182,6 +182,9 @@ def test_a_fault_parameter_of_the_wrong_kind_is_one_line_before_the_run(fault, m
     (("--fault", "gc.late:rank=99"), "rank 99 never exists; the scenario starts rank processes 0..3"),
     (("--fault", "all2all.cleanup_late"), "the scenario has no all2all buffers"),
     (("--fault", "gc.late:delay_s=1,delay_s=2"), "delay_s is given twice"),
+    (("--fault", "gc.late:"), "nothing after ':'; give k=v parameters or leave the ':' out"),
+    (("--fault", "gc.late:delay_s=1,,rank=0"), "parameters are k=v separated by commas"),
+    (("--fault", "gc.late:delay_s=1,"), "parameters are k=v separated by commas"),
     (("--profile", ""), "--profile: empty"),
     (("--strategy", ""), "--strategy: empty"),
     (("--timeout", "5"), "--timeout bounds a real rank's answer"),
@@ -335,6 +338,9 @@ def test_run_out_keeps_files_no_earlier_run_wrote(tmp_path) -> None:
     assert line == (f"epsim: error: --out {own}: it holds history.jsonl, which no earlier epsim run wrote (no "
                     "result.json of one); give a new or empty directory, or an earlier run's folder")
     assert (own / "history.jsonl").read_text() == "precious\n"
+    refused = tmp_path / "new" / "deeper"  # a run refused (or stopped with Ctrl-C) leaves no empty folder behind
+    assert epsim_here("run", "no-such-scenario", "--out", str(refused)).returncode == 2
+    assert not (tmp_path / "new").exists()
     earlier = tmp_path / "earlier"
     for _ in range(2):
         assert epsim_here("run", "steady", "--out", str(earlier)).returncode == 0
