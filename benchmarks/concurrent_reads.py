@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
 from typing import Any
 
-from benchmarks.transfers import MIB, _owner, _pattern, _quiet, memory_and_devices
+from benchmarks.transfers import MIB, _pattern, _quiet, from_owner, memory_and_devices, start_owner
 
 
 def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: int = 9) -> dict[str, Any]:
@@ -36,15 +35,12 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
     torch.set_num_threads(1)  # NIXL's progress thread needs a core of its own on a small machine
     mem, dev_a, dev_b = memory_and_devices(device)
     total = int(max(sizes_mib) * MIB) * k
-    ctx = mp.get_context("spawn")
-    conn, child_end = ctx.Pipe()
     # The owner registers one buffer of ``total`` bytes (transfers' owner, given one size), read in slices.
-    owner = ctx.Process(target=_owner, args=(child_end, package, (total / MIB,), dev_b), daemon=True)
-    owner.start()
+    owner, conn = start_owner(package, (total / MIB,), dev_b)
     reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "k": k, "sizes": {}}
     try:
-        metadata, addr, dev_id = conn.recv()
+        metadata, addr, dev_id = from_owner(conn, owner)
         dst = torch.zeros(total, dtype=torch.uint8, device=dev_a)
         if dst.is_cuda:
             torch.cuda.synchronize()
@@ -96,6 +92,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
         conn.send("next")  # the owner's only size: it deregisters and ends
     finally:
         torch.set_num_threads(threads)
+        conn.close()  # an owner still waiting for "next" (this side failed) sees the end and stops
         owner.join(30)
         if owner.is_alive():
             owner.kill()

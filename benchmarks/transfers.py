@@ -75,9 +75,41 @@ def _owner(conn, package: str, sizes_mib, device: str) -> None:
             torch.cuda.synchronize()  # the kernels that fill it are asynchronous; a READ must find it filled
         reg = agent.register_memory([src])
         conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
-        conn.recv()  # the reader is done with this size
+        try:
+            conn.recv()  # the reader is done with this size
+        except EOFError:  # the reader stopped (an error there, said there): nothing left to serve
+            return
         agent.deregister_memory(reg)
     conn.close()
+
+
+def start_owner(package: str, sizes_mib, device: str):
+    """The owner process and this side's end of its pipe.  This process closes its copy of the owner's end, so
+    that an owner that dies (a failed import, a crash in the library) reads as an end of file here, not silence."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    owner = ctx.Process(target=_owner, args=(child_end, package, tuple(sizes_mib), device), daemon=True)
+    owner.start()
+    child_end.close()
+    return owner, conn
+
+
+def from_owner(conn, owner, wait_s: float = 120.0):
+    """The owner's next message: its registered memory.  An owner that died or never answered is one clear error
+    (the reader used to wait on the pipe for ever)."""
+    from sim.errors import BackendUnavailable
+
+    try:
+        if conn.poll(wait_s):
+            return conn.recv()
+    except (EOFError, OSError):
+        pass
+    owner.join(5)
+    how = "gave no answer" if owner.exitcode is None else f"exited with status {owner.exitcode}"
+    raise BackendUnavailable(f"the NIXL peer process {how} before registering its memory; run the benchmark "
+                             f"alone to see its error")
 
 
 def memory_and_devices(device: str) -> tuple[str, str, str]:
@@ -90,23 +122,18 @@ def memory_and_devices(device: str) -> tuple[str, str, str]:
 
 
 def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each: bool = False) -> dict[str, Any]:
-    import multiprocessing as mp
-
     import torch
 
     mem, dev_a, dev_b = memory_and_devices(device)
     # The owner is another process, as every rank is in vLLM (UCX then takes its inter-process paths: cma or shared
     # memory on the host, CUDA IPC between GPUs); the torch baseline copies in this process.
-    ctx = mp.get_context("spawn")
-    conn, child_end = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(child_end, package, tuple(sizes_mib), dev_b), daemon=True)
-    owner.start()
+    owner, conn = start_owner(package, sizes_mib, dev_b)
     reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
     try:
         for mib in sizes_mib:
             nbytes = int(mib * MIB)
-            metadata, addr, dev_id = conn.recv()
+            metadata, addr, dev_id = from_owner(conn, owner)
             src = _pattern(nbytes, dev_b)  # the same bytes, for the torch baseline
             dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev_a)
             if dst.is_cuda:
@@ -155,6 +182,7 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
             reader.deregister_memory(reg_dst)
             conn.send("next")
     finally:
+        conn.close()  # an owner still waiting for "next" (this side failed) sees the end and stops
         owner.join(30)
         if owner.is_alive():
             owner.kill()

@@ -76,3 +76,17 @@ def test_careful_strategy_still_leaves_departed_peers_loaded_while_its_finalizer
 def test_each_broken_copy_fails_its_way(name, fault, expected) -> None:
     r = run_scenario(load("elastic-cycle"), strategy=BROKEN[name], faults=[fault] if fault else [])
     assert (r.verdict, r.invariant) == expected, r.detail
+
+
+def test_a_nixl_peer_that_dies_is_one_error_not_a_reader_waiting_for_ever() -> None:
+    """Found while timing calibration: the owner process died at start-up and the reader waited on the pipe for
+    ever (this process still held the owner's end of it)."""
+    from benchmarks import transfers
+    from real_backends.nixl_real import import_real_nixl
+    from sim.errors import BackendUnavailable
+    from tests.conftest import real_nixl_or_skip
+
+    real_nixl_or_skip()
+    api = import_real_nixl()[0]
+    with pytest.raises(BackendUnavailable, match=r"NIXL peer process exited with status 1 before registering"):
+        transfers._measure(api, "no_such_nixl_package", (1,), 1, "cpu")
