@@ -109,20 +109,30 @@ def measure_process_start(repeats: int = 3) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def measure(device: str = "cpu", sizes_mib=(1 / 16, 1 / 4, 1, 4, 16, 64), repeats: int = 9) -> Calibration:
+# What each measurement takes: in full, and with ``--quick`` (a smoke test of the whole path, as CI and a GPU job's
+# first minute want it: about half the time on a 2-core machine, too few samples to trust the numbers).
+FULL = {"sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
+        "share_mib": 4, "share_repeats": 5}
+QUICK = {"sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
+         "share_repeats": 3}
+
+
+def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     from benchmarks import transfers
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # the helper processes' INFO lines would land on stdout
-
-    reads = transfers.measure(sizes_mib=sizes_mib, repeats=repeats, device=device, prep_each=True)
+    how = QUICK if quick else FULL
+    reads = transfers.measure(sizes_mib=how["sizes_mib"], repeats=how["repeats"], device=device, prep_each=True)
     points = [(v["bytes"], v["nixl_s"]) for v in reads["sizes"].values()]
     latency, bandwidth = fit(points)
     # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
     return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
-                       collective_latency_s=measure_collective(),
-                       process_start_s=measure_process_start(), concurrent_share=measure_concurrent_share(device),
-                       device=device, memory=reads["memory"],
+                       collective_latency_s=measure_collective(how["collectives"]),
+                       process_start_s=measure_process_start(how["starts"]),
+                       concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
+                                                                 repeats=how["share_repeats"]),
+                       quick=quick, device=device, memory=reads["memory"],
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        points=[{"bytes": b, "seconds": t} for b, t in points])

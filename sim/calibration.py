@@ -38,6 +38,8 @@ class Calibration(BaseModel):
     host: str = ""
     measured_at: str = ""
     points: list[dict[str, float]] = Field(default_factory=list, description="(bytes, seconds) the fit used")
+    quick: bool = Field(False, description="measured with `epsim calibrate --quick`: three sizes and a few repeats, "
+                                           "a check that the path works rather than numbers to trust")
 
 
 def load(path: str | Path) -> Calibration:

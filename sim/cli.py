@@ -217,6 +217,8 @@ def calibrate(
     out: Optional[str] = typer.Option(None, help="write the calibration JSON here (for `epsim run --calibration`)"),
     compare: bool = typer.Option(True, "--compare/--no-compare",
                                  help="also time a scale-up in both worlds and report the simulation's error"),
+    quick: bool = typer.Option(False, "--quick", help="three sizes and a few repeats: checks that the path works "
+                                                      "in about half the time; too few samples to trust"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Measure the real backend's READ and collective timing; report how far the simulation's times are off."""
@@ -227,7 +229,7 @@ def calibrate(
     require_real(device)
     if out is not None:
         writable_file(out, "--out")
-    calibration = cal.measure(device)
+    calibration = cal.measure(device, quick=quick)
     if out is not None:
         Path(out).write_text(calibration.model_dump_json(indent=2) + "\n")
     report = {"calibration": calibration.model_dump()}
@@ -240,6 +242,8 @@ def calibrate(
     typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
                f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
                f"us; rank process start {c.process_start_s:.2f} s")
+    if c.quick:
+        typer.echo("measured with --quick: too few samples to trust these numbers")
     if c.concurrent_share is not None:
         typer.echo(f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
                    f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
