@@ -257,9 +257,10 @@ _NOT_FOLLOWED = (type, types.ModuleType, types.FunctionType, types.MethodType, t
 def install(emit: Emit, pid: int) -> None:
     """Make ``nixl._api.nixl_agent`` a :class:`LedgerAgent` in this process (the real NIXL behind it), so that
     ``from nixl._api import nixl_agent`` in a strategy gets it."""
-    from .nixl_real import import_real_nixl
+    from .nixl_real import apply_progress_delay, import_real_nixl
 
-    api, _, package = import_real_nixl()
+    api, bindings, package = import_real_nixl()
+    apply_progress_delay(bindings)
     if package != "nixl":  # no meta package: let `nixl._api` name the variant that is installed, as the meta does
         import importlib
 

@@ -15,8 +15,51 @@ from fakes.conformance.backend import PATTERN, Backend, Peer, peer_command
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
 
 
+# nixl._api builds every agent's config with pthrDelay = 0: its progress thread polls the UCX workers without a
+# timeout, a busy loop that keeps a core spinning per agent for as long as the agent lives (measured on 1.5.1: a
+# second of CPU per second, four fifths of it in the kernel).  A host with a core per rank does not notice; on a
+# 2-core machine three or four idle ranks take the cores from the ranks doing work.  A rank process started with this
+# variable set gives its agents that poll timeout instead (NIXL's own knob; the C++ API exposes it, the Python one
+# does not).  Unset or 0 is what vLLM runs.  The test suite sets it (tests/conftest.py); docs/real-backend.md.
+PROGRESS_DELAY_ENV = "EPSIM_NIXL_PROGRESS_DELAY_US"
+
+
 class NixlUnavailable(RuntimeError):
     pass
+
+
+def progress_delay_us() -> int:
+    """The progress threads' poll timeout asked for in :data:`PROGRESS_DELAY_ENV` (0: nixl._api's busy loop)."""
+    import os
+
+    from sim.errors import ScenarioError
+
+    raw = os.environ.get(PROGRESS_DELAY_ENV, "").strip()
+    try:
+        value = int(raw or 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1_000_000:
+        raise ScenarioError(f"{PROGRESS_DELAY_ENV}={raw!r}: give whole microseconds from 0 (nixl._api's own busy "
+                            f"loop) to 1000000")
+    return value
+
+
+def apply_progress_delay(bindings: Any) -> int:
+    """Make agents this process creates from now on poll with :func:`progress_delay_us` (when it is not 0) instead of
+    spinning; the delay in effect is returned.  Only the config nixl._api hands the bindings changes: every call the
+    agent answers is the library's own."""
+    delay = progress_delay_us()
+    make = bindings.nixlAgent
+    if delay and not getattr(make, "__epsim_delay__", None):
+        def nixlAgent(name: str, config: Any) -> Any:  # noqa: N802 - the name nixl._api calls
+            if config.pthrDelay == 0:
+                config.pthrDelay = delay
+            return make(name, config)
+
+        nixlAgent.__epsim_delay__ = delay
+        bindings.nixlAgent = nixlAgent
+    return delay
 
 
 def import_real_nixl() -> tuple[Any, Any, str]:
@@ -46,6 +89,7 @@ def require_real(device: str) -> None:
         import_real_nixl()
     except NixlUnavailable as exc:
         raise BackendUnavailable(str(exc)) from None
+    progress_delay_us()  # a bad value is one line here, not a crash in every rank
     if device == "cuda":
         import torch
 

@@ -36,7 +36,10 @@ def both(*args: str) -> tuple[dict, dict]:
     return run(*args), run(*args, backend="real")
 
 
-def test_scale_up_2_to_3_passes_for_shared_agent_on_real_nixl():
+def test_scale_up_2_to_3_passes_for_shared_agent_on_real_nixl(monkeypatch):
+    # With the progress threads spinning, as nixl._api configures them and vLLM runs them (the other real runs of
+    # the suite poll every 200 us: tests/conftest.py).
+    monkeypatch.setenv("EPSIM_NIXL_PROGRESS_DELAY_US", "0")
     sim, real = both(*UP_2_TO_3, "--strategy", "shared-agent")
     assert real["verdict"] == "pass", real["detail"]
     assert real["profile"] == "real-cpu"
@@ -169,3 +172,36 @@ def test_a_short_timeout_does_not_count_the_ranks_start_up():
     """Found by review: --timeout also covered a rank's interpreter and imports, so a short one made a stuck run."""
     r = run("steady", "--set", "steps=600", "--timeout", "2", backend="real")
     assert r["verdict"] == "pass", r["detail"]
+
+
+def test_a_progress_delay_reaches_the_agent_config_and_a_bad_one_is_one_line(monkeypatch):
+    """EPSIM_NIXL_PROGRESS_DELAY_US changes only the pthrDelay nixl._api leaves at 0; a bad value is refused by the
+    parent in one line, not by every rank."""
+    import types
+
+    from real_backends.nixl_real import PROGRESS_DELAY_ENV, apply_progress_delay
+
+    made = []
+    bindings = types.SimpleNamespace(nixlAgent=lambda name, config: made.append((name, config.pthrDelay)))
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "0")
+    assert apply_progress_delay(bindings) == 0
+    bindings.nixlAgent("a", types.SimpleNamespace(pthrDelay=0))
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "150")
+    assert apply_progress_delay(bindings) == apply_progress_delay(bindings) == 150  # wrapped once
+    bindings.nixlAgent("b", types.SimpleNamespace(pthrDelay=0))
+    bindings.nixlAgent("c", types.SimpleNamespace(pthrDelay=7))  # a config that asked for its own delay keeps it
+    assert made == [("a", 0), ("b", 150), ("c", 7)]
+    # the real library takes the value: an agent made this way is a working agent
+    api, real_bindings, _ = real_nixl_or_skip()
+    monkeypatch.setattr(real_bindings, "nixlAgent", real_bindings.nixlAgent)  # undone after the test
+    apply_progress_delay(real_bindings)
+    agent = api.nixl_agent("progress-delay-check")
+    assert agent.get_agent_metadata()
+    del agent
+    for bad in ("abc", "-1", "2000000"):
+        monkeypatch.setenv(PROGRESS_DELAY_ENV, bad)
+        done = epsim_here("run", *UP_2_TO_3, "--backend", "real")
+        assert done.returncode == 2 and not done.stdout, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line == (f"epsim: error: {PROGRESS_DELAY_ENV}={bad!r}: give whole microseconds from 0 (nixl._api's "
+                        f"own busy loop) to 1000000"), line
