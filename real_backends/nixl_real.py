@@ -20,7 +20,9 @@ NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
 # second of CPU per second, four fifths of it in the kernel).  A host with a core per rank does not notice; on a
 # 2-core machine three or four idle ranks take the cores from the ranks doing work.  A rank process started with this
 # variable set gives its agents that poll timeout instead (NIXL's own knob; the C++ API exposes it, the Python one
-# does not).  Unset or 0 is what vLLM runs.  The test suite sets it (tests/conftest.py); docs/real-backend.md.
+# does not; NIXL's UCX progress thread rounds it up to whole milliseconds).  Unset or 0 is what vLLM runs.  The test
+# suite sets it on small machines (tests/conftest.py); docs/real-backend.md.  Each rank reads its own environment:
+# under torchrun, a slot on another host follows that host's.
 PROGRESS_DELAY_ENV = "EPSIM_NIXL_PROGRESS_DELAY_US"
 
 
@@ -50,15 +52,18 @@ def apply_progress_delay(bindings: Any) -> int:
     spinning; the delay in effect is returned.  Only the config nixl._api hands the bindings changes: every call the
     agent answers is the library's own."""
     delay = progress_delay_us()
-    make = bindings.nixlAgent
-    if delay and not getattr(make, "__epsim_delay__", None):
-        def nixlAgent(name: str, config: Any) -> Any:  # noqa: N802 - the name nixl._api calls
-            if config.pthrDelay == 0:
-                config.pthrDelay = delay
-            return make(name, config)
+    make = getattr(bindings.nixlAgent, "__wrapped__", bindings.nixlAgent)  # the library's own, wrapped or not
+    if not delay:
+        bindings.nixlAgent = make
+        return 0
 
-        nixlAgent.__epsim_delay__ = delay
-        bindings.nixlAgent = nixlAgent
+    def nixlAgent(name: str, config: Any) -> Any:  # noqa: N802 - the name nixl._api calls
+        if config.pthrDelay == 0:
+            config.pthrDelay = delay
+        return make(name, config)
+
+    nixlAgent.__wrapped__ = make
+    bindings.nixlAgent = nixlAgent
     return delay
 
 

@@ -2,7 +2,8 @@
 and nothing already written may be lost.
 
 Every command that writes files (``run``, ``replay``, ``shrink``, ``calibrate``, ``sweep``) asks here first; the
-answer is the path, made if missing, or :class:`~sim.errors.BadOutput` naming the option and the reason.
+answer is the path (made if missing, except a run's ``--out``, which is made when its files are written) or
+:class:`~sim.errors.BadOutput` naming the option and the reason.
 """
 
 from __future__ import annotations

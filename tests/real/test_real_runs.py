@@ -38,7 +38,7 @@ def both(*args: str) -> tuple[dict, dict]:
 
 def test_scale_up_2_to_3_passes_for_shared_agent_on_real_nixl(monkeypatch):
     # With the progress threads spinning, as nixl._api configures them and vLLM runs them (the other real runs of
-    # the suite poll every 200 us: tests/conftest.py).
+    # the suite poll every millisecond on a small machine: tests/conftest.py).
     monkeypatch.setenv("EPSIM_NIXL_PROGRESS_DELAY_US", "0")
     sim, real = both(*UP_2_TO_3, "--strategy", "shared-agent")
     assert real["verdict"] == "pass", real["detail"]
@@ -190,7 +190,12 @@ def test_a_progress_delay_reaches_the_agent_config_and_a_bad_one_is_one_line(mon
     assert apply_progress_delay(bindings) == apply_progress_delay(bindings) == 150  # wrapped once
     bindings.nixlAgent("b", types.SimpleNamespace(pthrDelay=0))
     bindings.nixlAgent("c", types.SimpleNamespace(pthrDelay=7))  # a config that asked for its own delay keeps it
-    assert made == [("a", 0), ("b", 150), ("c", 7)]
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "3000")  # a new value wraps the library's own constructor again
+    assert apply_progress_delay(bindings) == 3000
+    bindings.nixlAgent("d", types.SimpleNamespace(pthrDelay=0))
+    monkeypatch.setenv(PROGRESS_DELAY_ENV, "0")  # and 0 gives it back unwrapped
+    assert apply_progress_delay(bindings) == 0 and not hasattr(bindings.nixlAgent, "__wrapped__")
+    assert made == [("a", 0), ("b", 150), ("c", 7), ("d", 3000)]
     # the real library takes the value: an agent made this way is a working agent
     api, real_bindings, _ = real_nixl_or_skip()
     monkeypatch.setattr(real_bindings, "nixlAgent", real_bindings.nixlAgent)  # undone after the test
