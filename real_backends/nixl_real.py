@@ -21,7 +21,7 @@ NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
 # 2-core machine three or four idle ranks take the cores from the ranks doing work.  A rank process started with this
 # variable set gives its agents that poll timeout instead (NIXL's own knob; the C++ API exposes it, the Python one
 # does not; NIXL's UCX progress thread rounds it up to whole milliseconds).  Unset or 0 is what vLLM runs.  The test
-# suite sets it on small machines (tests/conftest.py); docs/real-backend.md.  Each rank reads its own environment:
+# suite does not set it (docs/real-backend.md says why).  Each rank reads its own environment:
 # under torchrun, a slot on another host follows that host's.
 PROGRESS_DELAY_ENV = "EPSIM_NIXL_PROGRESS_DELAY_US"
 

@@ -37,8 +37,8 @@ def both(*args: str) -> tuple[dict, dict]:
 
 
 def test_scale_up_2_to_3_passes_for_shared_agent_on_real_nixl(monkeypatch):
-    # With the progress threads spinning, as nixl._api configures them and vLLM runs them (the other real runs of
-    # the suite poll every millisecond on a small machine: tests/conftest.py).
+    # With the progress threads spinning, as nixl._api configures them and vLLM runs them, whatever the caller's
+    # EPSIM_NIXL_PROGRESS_DELAY_US says.
     monkeypatch.setenv("EPSIM_NIXL_PROGRESS_DELAY_US", "0")
     sim, real = both(*UP_2_TO_3, "--strategy", "shared-agent")
     assert real["verdict"] == "pass", real["detail"]
