@@ -1,10 +1,12 @@
-"""The catalogue's backend surface on the real NIXL, with peers in real child processes."""
+"""The real NIXL: finding it, the catalogue's backend surface on it (with peers in real child processes), and the
+progress-thread setting rank processes may give it."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -32,8 +34,6 @@ class NixlUnavailable(RuntimeError):
 
 def progress_delay_us() -> int:
     """The progress threads' poll timeout asked for in :data:`PROGRESS_DELAY_ENV` (0: nixl._api's busy loop)."""
-    import os
-
     from sim.errors import ScenarioError
 
     raw = os.environ.get(PROGRESS_DELAY_ENV, "").strip()
