@@ -159,6 +159,14 @@ class RealWorker:
         # The lists through which gc.late, gc.thread and gc.never hold a dropped communicator (the exit's leak check
         # leaves what only they hold alone); a gc.cycle holder is referenced by itself alone.
         self.fault_holders: list[list] = []
+        # A GC fault's release finalizes on a thread of its own while the main thread goes on; exit's leak check
+        # must not look at one half done (the holder emptied, the finalizer still deregistering: a leak that is
+        # not one, seen under load). gc.thread's releases are joined before it looks (in the simulation they run at
+        # the instant of the drop, long before exit); a gc.late release takes this lock, as the check does, so it
+        # is either over before the check or never starts (its object then counts as held, a gc.late still waiting).
+        self.gc_threads: list[threading.Thread] = []
+        self.release_lock = threading.Lock()
+        self.exiting = False
         self._rows = move.RowViews()
         self._rearrange_started = 0.0
 
@@ -387,14 +395,18 @@ class RealWorker:
         if comm is not None:
             self.drop(comm, "communicator at exit")
         del comm
-        self.history("gc.collect", reason="exit")
-        gc.collect()  # the interpreter's last collections at exit; gc.never objects are still referenced
-        # What the simulation calls a leak: an agent alive now that no GC fault holds on purpose (gc.never, a
-        # gc.late still waiting: the simulation finalizes those at interpreter shutdown, before its leak check).
-        from . import ledger
+        for th in self.gc_threads:
+            th.join()
+        with self.release_lock:
+            self.exiting = True
+            self.history("gc.collect", reason="exit")
+            gc.collect()  # the interpreter's last collections at exit; gc.never objects are still referenced
+            # What the simulation calls a leak: an agent alive now that no GC fault holds on purpose (gc.never, a
+            # gc.late still waiting: the simulation finalizes those at interpreter shutdown, before its leak check).
+            from . import ledger
 
-        held = ledger.agents_held_only_by(_IMMORTAL + [h for h in self.fault_holders if h])
-        self.history("worker.exit", leaked=[a.conn for a in ledger.live_agents() if id(a) not in held])
+            held = ledger.agents_held_only_by(_IMMORTAL + [h for h in self.fault_holders if h])
+            self.history("worker.exit", leaked=[a.conn for a in ledger.live_agents() if id(a) not in held])
 
     # -- dropping a communicator: refcounting, or a GC fault done for real ---------------------------------------
     def drop(self, obj: Any, what: str) -> None:
@@ -412,7 +424,8 @@ class RealWorker:
             delay = float(fault.get("delay_s", 1.0))
             self.run_thread(f"gc-late@{self.pid}", self._release_later, holder, delay, what)
         elif how == "gc.thread":
-            self.run_thread(f"eplb-async@{self.pid}", self._release_later, holder, 0.0, what)
+            th = self.run_thread(f"eplb-async@{self.pid}", self._release_later, holder, 0.0, what)
+            self.gc_threads.append(th)
         elif how == "gc.cycle":
             holder.append(holder)  # only a collection frees it: the next gc.collect() (commit, exit)
             del holder
@@ -422,8 +435,11 @@ class RealWorker:
     def _release_later(self, holder: list, delay: float, what: str) -> None:
         if delay > 0:
             time.sleep(delay)
-        self.history("gc.finalize", what=what, how="released")
-        holder.clear()  # the last reference: the finalizer runs on this thread, now
+        with self.release_lock:  # see __init__: never while exit's leak check looks
+            if self.exiting:
+                return
+            self.history("gc.finalize", what=what, how="released")
+            holder.clear()  # the last reference: the finalizer runs on this thread, now
 
 
 def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:

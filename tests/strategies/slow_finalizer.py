@@ -1,0 +1,23 @@
+"""``per-communicator-agent`` whose ``__del__`` takes a while after it has released everything, before its agent can
+go: a finalizer that blocks (a NIXL call waiting on its progress thread, a loaded machine).  Not a bug of the
+strategy; a GC fault that runs it on another thread must not make the run's exit see a half-finalized communicator
+as a leak."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sim.eplb.communicators.per_agent import PerAgentNixlCommunicator
+
+FINALIZER_S = 0.5
+
+
+class _SlowFinalizer(PerAgentNixlCommunicator):
+    def __del__(self) -> None:
+        super().__del__()
+        time.sleep(FINALIZER_S)
+
+
+def create(group: Any, expert_weights: Any, expert_buffer: Any, prev_communicator: Any = None) -> Any:
+    return _SlowFinalizer(group, expert_weights, expert_buffer)
