@@ -161,7 +161,8 @@ class RealCluster(Engine):
         self.completed = False  # the timeline ran to its end, shutdown included
         self.t0 = time.monotonic()
         self._store = None
-        self.launcher = launcher or LocalLauncher()  # who starts rank processes: this host, or torchrun's slots
+        # who starts rank processes: this host, or torchrun's slots
+        self.launcher = launcher or LocalLauncher(device=device)
 
     # -- messages from the ranks --------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -219,7 +220,7 @@ class RealCluster(Engine):
                          timeout_s=self.timeout_s)
         w = RankProcess(self, pid, cfg)
         self.workers[pid] = w
-        self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank)
+        self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank, started_as=w.proc.started_as)
         return w
 
     def _device_of(self, pid: int) -> str:

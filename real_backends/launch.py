@@ -1,7 +1,8 @@
 """Who starts the rank processes of a real run: this host (``LocalLauncher``), or the slots torchrun started.
 
-Locally, every rank is ``python -m real_backends.rank FD``, a child of the run's process, on one end of a socket
-pair; everything binds to loopback.
+Locally, every rank is forked from a zygote that imported torch and NIXL once for the run
+(:mod:`real_backends.zygote`), or where that cannot be used is ``python -m real_backends.rank FD``, a child of the
+run's process; either way it talks to the run on one end of a socket pair, and everything binds to loopback.
 
 Under torchrun (``epsim run ... --backend real`` started once per slot with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), slot 0 runs the engine and listens on ``MASTER_ADDR`` at a
@@ -16,7 +17,9 @@ nothing here forces loopback. A slot's events are put on slot 0's clock with the
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -34,6 +37,8 @@ ACCEPT_TIMEOUT_S = 300.0
 
 class _Child:
     """A local rank process, with the calls the cluster makes (``multiprocessing.Process``'s names)."""
+
+    started_as = "interpreter"  # how the run's history says it was started
 
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen, self.pid = popen, popen.pid
@@ -64,36 +69,182 @@ def child_env() -> dict[str, str]:
     return env
 
 
+class _Zygote:
+    """The launcher's side of :mod:`real_backends.zygote`: starts it, asks it for ranks, follows their exits."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.usable: bool | None = None  # None until the zygote said ready or unusable
+        self.why = ""
+        self._cond = threading.Condition()
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._gone = False
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.popen = subprocess.Popen([sys.executable, "-m", "real_backends.zygote", str(theirs.fileno()),
+                                           str(os.getpid())], pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=env)
+        finally:
+            theirs.close()
+        self.sock = mine
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="rank-zygote", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            with self._cond:
+                if not data:  # the zygote ended: every rank it had not reported died with it (PR_SET_PDEATHSIG)
+                    self._gone = True
+                    if self.usable is None:
+                        self.usable, self.why = False, "the zygote ended before it was ready"
+                    self._cond.notify_all()
+                    return
+                msg = pickle.loads(data)
+                if msg[0] == "ready":
+                    self.usable = True
+                elif msg[0] == "unusable":
+                    self.usable, self.why = False, msg[1]
+                elif msg[0] == "started":
+                    self._started.append(msg[1])
+                elif msg[0] == "exit":
+                    self._exits[msg[1]] = msg[2]
+                self._cond.notify_all()
+
+    def wait_ready(self) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self.usable is not None)
+            return bool(self.usable)
+
+    def fork(self, fd: int) -> int | None:
+        """A rank on ``fd`` (the zygote gets a copy): its OS pid, or None if the zygote cannot fork one."""
+        with self._send_lock, self._cond:
+            try:
+                socket.send_fds(self.sock, [pickle.dumps(("start", os.getcwd()))], [fd])
+            except OSError:
+                return None
+            self._cond.wait_for(lambda: self._started or self._gone or not self.usable)
+            return self._started.pop(0) if self._started else None
+
+    def exitcode(self, pid: int) -> int | None:
+        with self._cond:
+            if pid in self._exits:
+                return self._exits[pid]
+            return -signal.SIGKILL if self._gone else None
+
+    def join(self, pid: int, timeout: float | None) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout)
+
+    def kill(self, pid: int) -> None:
+        try:
+            with self._send_lock:
+                self.sock.send(pickle.dumps(("kill", pid)))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """The zygote ends (any rank still running with it); called once the run's ranks are done."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:  # it reads the end at once, unless it is still importing (a run that ended before any rank started)
+            self.popen.wait(5 if self.usable is not None else 0)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self._reader.join(5)
+        self.sock.close()
+
+
+class _Forked:
+    """A rank forked by a zygote, with the calls the cluster makes (as :class:`_Child`)."""
+
+    started_as = "fork"
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+
+    def is_alive(self) -> bool:
+        return self.zygote.exitcode(self.pid) is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.zygote.join(self.pid, timeout)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.zygote.kill(self.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.zygote.exitcode(self.pid)
+
+
 class LocalLauncher:
-    """Rank processes on this host, children of this process, on loopback."""
+    """Rank processes on this host, on loopback: forked by a zygote (:mod:`real_backends.zygote`), or fresh
+    interpreters, children of this process, where it cannot be used."""
 
     store_host = "127.0.0.1"
     loopback = True
 
-    def __init__(self, ranks_per_host: int | None = None) -> None:
+    def __init__(self, ranks_per_host: int | None = None, device: str = "cpu") -> None:
         self.ranks_per_host = ranks_per_host
+        # GPU ranks start fresh: forking after NIXL's CUDA variant is loaded has not been tried on a GPU host.
+        self._forks = device == "cpu"
+        self._zygotes: list[_Zygote] = []
 
     def open(self, scenario) -> None:
         peak = scenario.peak_ranks()
         if self.ranks_per_host is not None and peak > self.ranks_per_host:
             raise ScenarioError(f"the scenario runs up to {peak} ranks at once and --ranks-per-host is "
                                 f"{self.ranks_per_host}: run it under torchrun across hosts (docs/real-backend.md)")
+        from .zygote import wanted
+
+        if self._forks and wanted():  # started now, so that its imports overlap the run's own set-up
+            self._zygotes.append(_Zygote(child_env()))
 
     def close(self) -> None:
-        pass
+        zygotes, self._zygotes = self._zygotes, []
+        for z in zygotes:
+            z.close()
+
+    def _zygote(self) -> _Zygote | None:
+        """The zygote for this process's environment now (the one it had at open(), unless it changed since)."""
+        from .zygote import wanted
+
+        if not wanted():
+            return None
+        env = child_env()
+        found = next((z for z in self._zygotes if z.env == env), None)
+        if found is None:
+            found = _Zygote(env)
+            self._zygotes.append(found)
+        return found if found.wait_ready() else None
 
     def start(self, cfg) -> tuple[Connection, Any]:
-        """``python -m real_backends.rank FD``: a fresh interpreter rather than multiprocessing's spawn, which
-        re-imports the caller's main module (a script on stdin or in a notebook has none)."""
+        """A rank forked by the zygote or, where there is none, ``python -m real_backends.rank FD``: a fresh
+        interpreter rather than multiprocessing's spawn, which re-imports the caller's main module (a script on
+        stdin or in a notebook has none)."""
         mine, theirs = socket.socketpair()
         try:
-            popen = subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=child_env())
+            zygote = self._zygote() if self._forks else None
+            pid = zygote.fork(theirs.fileno()) if zygote is not None else None
+            if pid is not None:
+                proc: Any = _Forked(zygote, pid)
+                cfg = dataclasses.replace(cfg, parent=zygote.popen.pid)  # the rank dies with the zygote
+            else:
+                proc = _Child(subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
+                                               pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=child_env()))
         finally:
             theirs.close()
         conn = Connection(mine.detach())
         conn.send(cfg)
-        return conn, _Child(popen)
+        return conn, proc
 
 
 # -- torchrun ---------------------------------------------------------------------------------------------------
@@ -153,6 +304,8 @@ def _authkey(create: bool = False) -> bytes:
 
 class _Slot:
     """A torchrun slot serving a rank: alive until its connection closes."""
+
+    started_as = "torchrun slot"
 
     def __init__(self, conn: Connection, info: dict[str, Any]) -> None:
         self.conn, self.info, self.pid = conn, info, info["os_pid"]

@@ -64,6 +64,8 @@ def test_a_killed_rank_and_its_peers_are_all_gone_after_the_run(tmp_path):
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     ranks = {e["os_pid"] for e in history if e["kind"] == "process.start"}
     assert len(ranks) == 4
+    # forked from the run's zygote (real_backends/zygote.py), which the kill and the run's end go through
+    assert {e["started_as"] for e in history if e["kind"] == "process.start"} == {"fork"}
     assert any(e["kind"] == "process.kill" and e["pid"] == 3 for e in history)
     assert wait_gone(ranks, 5.0) == set()
 
@@ -86,7 +88,9 @@ def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set
     seen: set[int] = set()
     while time.monotonic() < deadline and proc.poll() is None:
         seen |= descendants(proc.pid)
-        if len([p for p in seen if living(p)]) >= 4:  # scale-up to EP4 happened: 4 ranks alive
+        # scale-up to EP4 happened: 4 ranks alive (the processes with no child: the zygote they are forked from,
+        # real_backends/zygote.py, has them)
+        if len([p for p in seen if living(p) and not descendants(p)]) >= 4:
             break
         time.sleep(0.2)
     assert proc.poll() is None, (tmp_path / "stderr").read_text()[-2000:] if tmp_path else proc.communicate()[1]

@@ -1,0 +1,161 @@
+"""Rank processes forked from an interpreter that has imported torch and NIXL once per run (a zygote).
+
+A fresh ``python -m real_backends.rank`` spends seconds of CPU importing torch before it does anything (3.5 s on a
+2-core machine, where the test suite starts over sixty ranks); a rank that a scale-up adds keeps the group waiting
+that long.  The local launcher instead starts this process when a run opens: it imports what a rank imports, then
+forks one child per rank.  The child runs the same code from the same modules as a fresh rank would, in a process
+of its own, and ends through the interpreter's normal exit (finalizers and ``atexit`` run, as in a fresh rank).
+
+Fork safety: the zygote forks only while it has one thread (checked before every fork; torch's import starts none
+with ``OMP_NUM_THREADS=1``, which the real cluster sets for its ranks), and it has made no NIXL agent, CUDA context
+or process group: those are made by the child, after the fork.  A zygote that cannot be used says so and the
+launcher starts fresh interpreters instead; ``EPSIM_RANK_ZYGOTE=0`` asks for those from the start.
+
+Protocol, on a ``SOCK_SEQPACKET`` socket pair (one pickled message per packet): the launcher sends
+``("start", cwd)`` with the rank's end of its socket pair attached (``SCM_RIGHTS``); the zygote answers
+``("started", os_pid)``, and ``("exit", os_pid, code)`` once it has reaped a child (``code`` as
+``Popen.returncode``: ``-N`` for signal N); ``("kill", os_pid)`` SIGKILLs a child it has not reaped yet (it is the
+child's parent, so the pid cannot belong to another process before that).  The zygote first says ``("ready",)``, or
+``("unusable", why)`` and exits.  It dies with the run's process and every rank with it (``PR_SET_PDEATHSIG``),
+so a killed run leaves nothing behind; a ^C reaches the run, which stops its ranks itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import threading
+
+from .rank import die_with_parent
+
+ENV = "EPSIM_RANK_ZYGOTE"
+# What a rank imports before it can start (the rest is small): imported here once, in this order.
+PRELOAD = ("torch", "torch.distributed", "numpy", "real_backends.rank", "real_backends.ledger",
+           "real_backends.groups", "real_backends.nixl_real", "sim.eplb.move", "sim.eplb.communicators.per_agent",
+           "sim.eplb.communicators.shared_agent", "sim.eplb.communicators.arena_registry")
+MAX_PACKET = 1 << 16
+
+
+def wanted() -> bool:
+    """Whether rank processes come from a zygote: on Linux, unless ``EPSIM_RANK_ZYGOTE=0``."""
+    return sys.platform.startswith("linux") and os.environ.get(ENV, "1").strip() != "0"
+
+
+def send(sock: socket.socket, msg: tuple, fds: list[int] | None = None) -> None:
+    data = pickle.dumps(msg)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _preload() -> str | None:
+    """Import what a rank imports; the reason the zygote cannot be used, or None."""
+    try:
+        from .nixl_real import import_real_nixl
+
+        for name in PRELOAD:
+            importlib.import_module(name)
+        import_real_nixl()
+    except Exception as exc:  # noqa: BLE001 - a fresh rank then meets the same error and reports it
+        return f"importing what a rank needs failed: {type(exc).__name__}: {exc}"
+    if _threads() != 1:
+        return f"{_threads()} threads after the imports (forking is safe with one)"
+    return None
+
+
+def serve(ctrl: socket.socket) -> tuple[int, str] | None:
+    """The zygote's loop.  Returns only in a forked child: (the rank's socket fd, the working directory it
+    starts in); None when the run closed the socket."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a reaped child wakes the select through wake_r
+    children: set[int] = set()
+    while True:
+        try:
+            ready, _, _ = select.select([ctrl, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                send(ctrl, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        if ctrl not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(ctrl, MAX_PACKET, 1)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            return None  # the run is over (or gone): the zygote ends, and with it any rank still running
+        msg = pickle.loads(data)
+        if msg[0] == "kill":
+            if msg[1] in children:
+                os.kill(msg[1], signal.SIGKILL)
+            continue
+        if _threads() != 1:  # never fork with a second thread, whose locks the child would inherit held
+            for fd in fds:
+                os.close(fd)
+            send(ctrl, ("unusable", f"{_threads()} threads at a fork"))
+            return None
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            die_with_parent()  # from the first instant: a zygote that dies takes every rank with it
+            if os.getppid() != me:
+                os._exit(1)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+            ctrl.close()
+            os.chdir(msg[1])
+            return fds[0], msg[1]
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        send(ctrl, ("started", pid))
+
+
+def main(ctrl_fd: int, parent: int) -> None:
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the run, which stops every rank itself
+    ctrl = socket.socket(fileno=ctrl_fd)
+    why = _preload()
+    if why is not None:
+        send(ctrl, ("unusable", why))
+        return
+    send(ctrl, ("ready",))
+    job = serve(ctrl)
+    if job is None:
+        return
+    # The child: what `python -m real_backends.rank FD` does, with everything already imported.
+    from multiprocessing.connection import Connection
+
+    from .rank import rank_main
+
+    conn = Connection(job[0])
+    rank_main(conn, conn.recv())
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
