@@ -31,6 +31,14 @@ def epsim_here(*args: str) -> subprocess.CompletedProcess:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     return subprocess.CompletedProcess(["epsim", *args], code, out.getvalue(), err.getvalue())
 
+# On a small machine, real rank processes give NIXL's progress thread a 1 ms poll timeout instead of nixl._api's
+# busy loop, a core spinning per agent (real_backends/nixl_real.py): on a 2-core machine that loop took a third of
+# the real-backend tests' CPU (user and system time over four real runs: 116 s with it, 82 s without).  A host with
+# a core per rank (a GPU host: the gated GPU job's evidence) keeps vLLM's own configuration, and so do one real
+# scale-up (tests/real/test_real_runs.py) and the async-EPLB torchrun run (tests/real/test_torchrun.py) everywhere.
+if (os.cpu_count() or 1) < 8:
+    os.environ.setdefault("EPSIM_NIXL_PROGRESS_DELAY_US", "1000")
+
 # CI sets this: there, the real NIXL is installed on purpose, so failing to import it is an error, not a skip.
 REQUIRE_REAL_NIXL = os.environ.get("EPSIM_REQUIRE_REAL_NIXL") == "1"
 
