@@ -70,15 +70,13 @@ def test_a_zygote_with_a_second_thread_refuses_to_fork_and_says_why(monkeypatch)
         zygote.close()
 
 
-@pytest.mark.parametrize("env", [{"EPSIM_RANK_ZYGOTE": "0"}, {"OPENBLAS_NUM_THREADS": "2"}],
-                         ids=["asked-for", "zygote-unusable"])
-def test_fresh_interpreters_where_there_is_no_zygote_run_the_same_run(env, monkeypatch, tmp_path):
+def test_fresh_interpreters_where_the_zygote_cannot_be_used_run_the_same_run(monkeypatch, tmp_path):
     """Every other real run of the suite forks its ranks (tests/real/test_no_leftovers.py checks the history says
-    so); these start fresh interpreters, and agree with the simulation as those do."""
+    so); this one's zygote has a second thread, so it starts fresh interpreters, and agrees with the simulation as
+    the forked ones do."""
     args = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", "--json")
     sim = json.loads(epsim_here("run", *args).stdout.strip().splitlines()[-1])
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     done = epsim("run", *args, "--backend", "real", "--out", str(tmp_path))
     real = json.loads(done.stdout.strip().splitlines()[-1])
     assert real["verdict"] == sim["verdict"] == "pass", real["detail"]
@@ -86,3 +84,12 @@ def test_fresh_interpreters_where_there_is_no_zygote_run_the_same_run(env, monke
     starts = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()
               if '"process.start"' in line]
     assert [s["started_as"] for s in starts] == ["interpreter"] * 3
+
+
+def test_epsim_rank_zygote_0_asks_for_fresh_interpreters(monkeypatch):
+    from real_backends import zygote
+
+    assert zygote.wanted()
+    monkeypatch.setenv(zygote.ENV, "0")
+    assert not zygote.wanted()
+    assert launch.LocalLauncher()._zygote() is None
