@@ -82,8 +82,11 @@ class _Zygote:
         self._gone = False
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.popen = subprocess.Popen([sys.executable, "-m", "real_backends.zygote", str(theirs.fileno()),
-                                           str(os.getpid())], pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=env)
+            self.popen: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, "-m", "real_backends.zygote", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=env)
+        except OSError as exc:  # the ranks' own start will meet the same error and say so
+            self.popen, self.usable, self.why = None, False, f"cannot start the zygote: {exc}"
         finally:
             theirs.close()
         self.sock = mine
@@ -115,9 +118,10 @@ class _Zygote:
                     self._exits[msg[1]] = msg[2]
                 self._cond.notify_all()
 
-    def wait_ready(self) -> bool:
+    def wait_ready(self, timeout: float = ACCEPT_TIMEOUT_S) -> bool:
         with self._cond:
-            self._cond.wait_for(lambda: self.usable is not None)
+            if not self._cond.wait_for(lambda: self.usable is not None, timeout):
+                self.usable, self.why = False, f"not ready within {timeout:g} s"
             return bool(self.usable)
 
     def fork(self, fd: int) -> int | None:
@@ -153,11 +157,12 @@ class _Zygote:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        try:  # it reads the end at once, unless it is still importing (a run that ended before any rank started)
-            self.popen.wait(5 if self.usable is not None else 0)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        if self.popen is not None:
+            try:  # it reads the end at once, unless it is still importing (a run that ended before a rank started)
+                self.popen.wait(5 if self.usable else 0)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
         self._reader.join(5)
         self.sock.close()
 

@@ -46,12 +46,13 @@ def wanted() -> bool:
     return sys.platform.startswith("linux") and os.environ.get(ENV, "1").strip() != "0"
 
 
-def send(sock: socket.socket, msg: tuple, fds: list[int] | None = None) -> None:
-    data = pickle.dumps(msg)
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.send(data)
+def _tell(ctrl: socket.socket, msg: tuple) -> bool:
+    """Send the run ``msg``; False if it is gone (it closed its end: nothing left to tell)."""
+    try:
+        ctrl.send(pickle.dumps(msg))
+        return True
+    except OSError:
+        return False
 
 
 def _threads() -> int:
@@ -95,7 +96,8 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
-                send(ctrl, ("exit", pid, os.waitstatus_to_exitcode(status)))
+                if not _tell(ctrl, ("exit", pid, os.waitstatus_to_exitcode(status))):
+                    return None
         if ctrl not in ready:
             continue
         try:
@@ -109,11 +111,12 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
             if msg[1] in children:
                 os.kill(msg[1], signal.SIGKILL)
             continue
-        if _threads() != 1:  # never fork with a second thread, whose locks the child would inherit held
-            for fd in fds:
+        if _threads() != 1:  # never fork with a second thread, whose locks the child would inherit held; the
+            for fd in fds:  # ranks already forked go on (an exit would take them with it)
                 os.close(fd)
-            send(ctrl, ("unusable", f"{_threads()} threads at a fork"))
-            return None
+            if not _tell(ctrl, ("unusable", f"{_threads()} threads at a fork")):
+                return None
+            continue
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
@@ -131,7 +134,8 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        send(ctrl, ("started", pid))
+        if not _tell(ctrl, ("started", pid)):
+            return None
 
 
 def main(ctrl_fd: int, parent: int) -> None:
@@ -142,9 +146,10 @@ def main(ctrl_fd: int, parent: int) -> None:
     ctrl = socket.socket(fileno=ctrl_fd)
     why = _preload()
     if why is not None:
-        send(ctrl, ("unusable", why))
+        _tell(ctrl, ("unusable", why))
         return
-    send(ctrl, ("ready",))
+    if not _tell(ctrl, ("ready",)):
+        return
     job = serve(ctrl)
     if job is None:
         return
