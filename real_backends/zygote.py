@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 
-from .rank import die_with_parent
+from .rank import _die_with_parent
 
 ENV = "EPSIM_RANK_ZYGOTE"
 # What a rank imports before it can start (the rest is small): imported here once, in this order.
@@ -120,9 +120,7 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            die_with_parent()  # from the first instant: a zygote that dies takes every rank with it
-            if os.getppid() != me:
-                os._exit(1)
+            _die_with_parent(me)  # from the first instant: a zygote that dies takes every rank with it
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
@@ -139,9 +137,7 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
 
 
 def main(ctrl_fd: int, parent: int) -> None:
-    die_with_parent()
-    if os.getppid() != parent:
-        os._exit(1)
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the run, which stops every rank itself
     ctrl = socket.socket(fileno=ctrl_fd)
     why = _preload()

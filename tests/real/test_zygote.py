@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import time
 from multiprocessing.connection import Connection
 
 import pytest
