@@ -260,7 +260,9 @@ def install(emit: Emit, pid: int) -> None:
     from .nixl_real import apply_progress_delay, import_real_nixl
 
     api, bindings, package = import_real_nixl()
-    apply_progress_delay(bindings)
+    # The poll timeout changes how the rank's NIXL behaves (a spinning or a sleeping progress thread): the run's
+    # result says which one each rank had (real_backends/run.py).
+    emit("nixl.config", pid=pid, package=package, progress_delay_us=apply_progress_delay(bindings))
     if package != "nixl":  # no meta package: let `nixl._api` name the variant that is installed, as the meta does
         import importlib
 

@@ -23,8 +23,9 @@ NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
 # 2-core machine three or four idle ranks take the cores from the ranks doing work.  A rank process started with this
 # variable set gives its agents that poll timeout instead (NIXL's own knob; the C++ API exposes it, the Python one
 # does not; NIXL's UCX progress thread rounds it up to whole milliseconds).  Unset or 0 is what vLLM runs.  The test
-# suite does not set it (docs/real-backend.md says why).  Each rank reads its own environment:
-# under torchrun, a slot on another host follows that host's.
+# suite sets 1000 on machines with fewer than 8 cores (tests/conftest.py; docs/real-backend.md says why).  Each rank
+# reads its own environment (under torchrun, a slot on another host follows that host's), and reports the value it
+# used in a ``nixl.config`` event: a real run's result lists them as ``metrics.nixl_progress_delay_us``.
 PROGRESS_DELAY_ENV = "EPSIM_NIXL_PROGRESS_DELAY_US"
 
 

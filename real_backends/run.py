@@ -42,6 +42,10 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
                     len(history), history.now(), round(wall, 3), [str(a) for a in armed], cluster.faults.fired(),
                     dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated))
     result.spans = _spans(cluster.spans, history)
+    # Each rank's NIXL progress-thread poll timeout (EPSIM_NIXL_PROGRESS_DELAY_US, read by each rank from its own
+    # environment): [0] is vLLM's busy loop; more than one value only when torchrun slots on other hosts differ.
+    result.metrics["nixl_progress_delay_us"] = sorted({f["progress_delay_us"] for _, _, _, kind, f in cluster.events
+                                                      if kind == "nixl.config"})
     if out is not None:
         write_run_files(out, {"history.jsonl": history.write_jsonl,
                               "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),

@@ -123,6 +123,9 @@ def summary(r: Result, again: str | None = None) -> str:
     lines.append(f"agents created {m.get('agents_created', 0)}, max live per process "
                  f"{m.get('max_live_agents_per_process', 0)}, duplicate registrations "
                  f"{m.get('duplicate_registrations', 0)}, transfers {m.get('transfers', 0)}")
+    if any(m.get("nixl_progress_delay_us", ())):
+        lines.append(f"NIXL progress threads: poll timeout {', '.join(map(str, m['nixl_progress_delay_us']))} us "
+                     f"(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
     if again is not None:
         lines.append(f"determinism: rerun in a fresh process gave {again} "
                      + ("(same)" if again == r.trace_hash else "(DIFFERENT)"))
