@@ -37,9 +37,9 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
     total = int(max(sizes_mib) * MIB) * k
     # The owner registers one buffer of ``total`` bytes (transfers' owner, given one size), read in slices.
     owner, conn = start_owner(package, (total / MIB,), dev_b)
-    reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "k": k, "sizes": {}}
     try:
+        reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))  # the owner ends if it fails
         metadata, addr, dev_id = from_owner(conn, owner)
         dst = torch.zeros(total, dtype=torch.uint8, device=dev_a)
         if dst.is_cuda:

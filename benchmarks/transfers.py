@@ -74,11 +74,11 @@ def _owner(conn, package: str, sizes_mib, device: str) -> None:
         if src.is_cuda:
             torch.cuda.synchronize()  # the kernels that fill it are asynchronous; a READ must find it filled
         reg = agent.register_memory([src])
-        conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
         try:
+            conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
             conn.recv()  # the reader is done with this size
-        except EOFError:  # the reader stopped (an error there, said there): nothing left to serve
-            return
+        except (EOFError, OSError):  # the reader stopped (an error there, said there, or it gave up waiting for this
+            return                   # process in from_owner): nothing left to serve, and nothing to add
         agent.deregister_memory(reg)
     conn.close()
 
@@ -128,9 +128,9 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
     # The owner is another process, as every rank is in vLLM (UCX then takes its inter-process paths: cma or shared
     # memory on the host, CUDA IPC between GPUs); the torch baseline copies in this process.
     owner, conn = start_owner(package, sizes_mib, dev_b)
-    reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
     try:
+        reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))  # the owner ends if it fails
         for mib in sizes_mib:
             nbytes = int(mib * MIB)
             metadata, addr, dev_id = from_owner(conn, owner)

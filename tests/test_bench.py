@@ -90,3 +90,37 @@ def test_a_nixl_peer_that_dies_is_one_error_not_a_reader_waiting_for_ever() -> N
     api = import_real_nixl()[0]
     with pytest.raises(BackendUnavailable, match=r"NIXL peer process exited with status 1 before registering"):
         transfers._measure(api, "no_such_nixl_package", (1,), 1, "cpu")
+
+
+def test_an_owner_whose_reader_gave_up_ends_quietly(capfd) -> None:
+    """The reader stopped waiting (``from_owner``'s timeout) and closed its end before the owner registered: the owner
+    ends without a BrokenPipe traceback of its own."""
+    import multiprocessing as mp
+
+    from benchmarks import transfers
+    from tests.conftest import real_nixl_or_skip
+
+    package = real_nixl_or_skip()[2]
+    reader_end, owner_end = mp.Pipe()
+    reader_end.close()
+    transfers._owner(owner_end, package, (1,), "cpu")  # returns; used to raise BrokenPipeError
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_reader_that_cannot_make_its_agent_leaves_no_owner_behind() -> None:
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from benchmarks import transfers
+    from tests.conftest import real_nixl_or_skip
+
+    package = real_nixl_or_skip()[2]
+
+    def no_agent(*_a, **_k):
+        raise RuntimeError("no UCX backend here")
+
+    api = SimpleNamespace(nixl_agent=no_agent, nixl_agent_config=lambda **_k: None)
+    before = set(mp.active_children())
+    with pytest.raises(RuntimeError, match="no UCX backend here"):
+        transfers._measure(api, package, (1,), 1, "cpu")
+    assert set(mp.active_children()) == before  # the owner was told (its pipe closed) and joined
