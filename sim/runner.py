@@ -58,6 +58,9 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         from .calibration import load as load_calibration
 
         timing = load_calibration(calibration)
+        if timing.quick:  # usable (the run goes on), but the user should know what the times rest on
+            print(f"epsim: warning: calibration {calibration} was measured with `epsim calibrate --quick` (three "
+                  f"sizes, a few repeats): a check that the path works, not times to trust", file=sys.stderr)
     with RunProgress(sc.name, sc.steps) as progress:
         # tidy=False: `epsim run` exits right after the verdict (os._exit), so the simulated world is never
         # finalized; collecting it first would add a second at DeepSeek scale.

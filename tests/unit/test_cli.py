@@ -243,6 +243,18 @@ def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
     assert done.returncode == 2 and "xfer_latency_s: Input should be a finite number" in done.stderr
 
 
+def test_a_quick_calibration_is_used_with_a_warning(tmp_path) -> None:
+    cal = tmp_path / "cal.json"
+    cal.write_text('{"xfer_latency_s": 2e-5, "bandwidth_Bps": 1e9, "quick": true}')
+    done = epsim_here("run", "steady", "--calibration", str(cal), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["verdict"] == "pass"
+    assert done.stderr.splitlines() == [f"epsim: warning: calibration {cal} was measured with `epsim calibrate "
+                                        f"--quick` (three sizes, a few repeats): a check that the path works, not "
+                                        f"times to trust"]
+    cal.write_text('{"xfer_latency_s": 2e-5, "bandwidth_Bps": 1e9}')
+    assert epsim_here("run", "steady", "--calibration", str(cal), "--json").stderr == ""
+
+
 @pytest.mark.parametrize("args, line", [
     (("--fault", "gc.late:times=1", "--fault", "gc.late:times=1"),
      "fault gc.late:times=1 is armed twice (counting the scenario's own faults); arm it once, with times=N for N "
