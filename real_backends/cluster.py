@@ -117,7 +117,7 @@ class RankProcess:
     def post(self, cmd) -> Handle:
         h = Handle(self.pid, cmd.kind)
         args = dict(cmd.args)
-        gc_faults, extra = self.cluster.choose_faults(self, cmd.kind)
+        gc_faults, extra = self.cluster.choose_faults(self, cmd.kind, args)
         args.update(extra)
         if cmd.kind == "prepare":
             h.prepared = threading.Event()
@@ -314,10 +314,12 @@ class RealCluster(Engine):
         self.completed = not self.crashed and not self.stuck
 
     # -- faults decided by the parent ---------------------------------------------------------------------------
-    def choose_faults(self, w: RankProcess, kind: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    def choose_faults(self, w: RankProcess, kind: str,
+                      args: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
         PREPARE or a rearrange, taken from the plan here so that ``times`` counts across processes as in the
-        simulation."""
+        simulation.  A PREPARE's are those of the step its window ends at (``build_step``), as in the simulation,
+        which builds then: the real rank builds at once, so they are decided when the command is posted."""
         drops = {"commit": ["old communicator"],
                  "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"],
                  "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])
@@ -335,7 +337,8 @@ class RealCluster(Engine):
         if kind == "prepare":
             for site, flag in (("storage.move", "storage_move"), ("peer.restart", "peer_restart")):
                 extra[flag] = self.faults.take({site: fault_catalogue.WORKER_SITES[site]}, w.pid,
-                                               "expert_buffer" if site == "storage.move" else "agents") is not None
+                                               "expert_buffer" if site == "storage.move" else "agents",
+                                               args.get("build_step")) is not None
         return gc_faults, extra
 
     # -- the run ------------------------------------------------------------------------------------------------

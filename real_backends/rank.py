@@ -322,7 +322,9 @@ class RealWorker:
             self.history("eplb.checked", problems=problems[:1], count=len(problems))
         self.history("eplb.rearranged", moved_layers=old.num_layers)
 
-    def do_prepare(self, group, prepare_s: float, storage_move: bool = False, peer_restart: bool = False) -> str:
+    def do_prepare(self, group, prepare_s: float, build_step: int | None = None, storage_move: bool = False,
+                   peer_restart: bool = False) -> str:
+        # (prepare_s and build_step: the parent serves the window and decided the faults for its end)
         if self.aborted is not None:
             aborted, self.aborted = self.aborted, None
             self.drop(aborted, "aborted communicator")

@@ -231,8 +231,12 @@ class Engine:
         groups = rdv.groups()
         fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
         joined = {w.pid: w.post(Command("start")) for w in fresh}
+        # The step at which PREPARE's window of serving ends and the new communicator is built: the PREPARE's
+        # worker faults (storage.move, peer.restart) are decided for that step in both worlds (the simulated
+        # PREPARE builds then; the real parent decides them now, and its ranks build at once).
+        least = self.step + int(np.ceil(event.prepare_s / self.scenario.serving.step_time_s - 1e-9))
         prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
-                                                                "prepare_s": event.prepare_s}))
+                                                                "prepare_s": event.prepare_s, "build_step": least}))
                     for p in old_members if p in new_members}
         if not self._join({**joined, **prepared}, "PREPARE"):
             return False
@@ -241,7 +245,6 @@ class Engine:
         # Serving goes on for at least the scenario's prepare_s in every world, so that a real PREPARE that is
         # done sooner (or was done while new ranks started) serves the steps the simulated one does.
         start, limit = self.now(), self.prepare_limit_s(event.prepare_s)
-        least = self.step + int(np.ceil(event.prepare_s / self.scenario.serving.step_time_s - 1e-9))
         while self.step < least or not self.prepared(prepared):
             if self.now() - start > limit:
                 self.prepare_never_finished(prepared, limit)

@@ -274,32 +274,37 @@ class Worker:
             self.cluster.oracles.weights_checked(self.pid, problems)
         self.history("eplb.rearranged", moved_layers=old.num_layers)
 
-    def do_prepare(self, group, prepare_s: float) -> Any:
-        """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one."""
+    def do_prepare(self, group, prepare_s: float, build_step: int | None = None) -> Any:
+        """PREPARE on the ElasticEPAsync thread: a new communicator for the new group, built from the old one,
+        ``prepare_s`` later; ``build_step`` is the forward step the engine's serving reaches then."""
         if self.aborted is not None:
             aborted, self.aborted = self.aborted, None
             self.cluster.gc.drop(self.pid, aborted, "aborted communicator")
             del aborted
         done = self.kernel.env.event()
-        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done,
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done, build_step,
                           pid=self.pid, daemon=True)
         return done
 
-    def _prepare(self, group, prepare_s: float, done) -> None:
+    def _prepare(self, group, prepare_s: float, done, build_step: int | None) -> None:
         # vLLM's prepare begins by waiting for the previous reconfiguration's group cleanup (_wait_for_group_cleanup):
         # a retired group's buffers are gone before standby groups are built.
         th, self.cleanup_thread = self.cleanup_thread, None
         if th is not None and th.alive:
             self.kernel.wait(th.done, "waiting for the previous group cleanup")
         self.kernel.sleep(prepare_s, "building standby groups")
-        if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid,
-                                    "expert_buffer") is not None:
+        # The faults of the step the window ends at: the engine's own count may still be one serving chunk behind
+        # at this instant (whichever of the two the tie-break wakes first), which made a fault due in that chunk
+        # fire on some ranks and not others, by seed.
+        if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid, "expert_buffer",
+                                    build_step) is not None:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
             # here by the worker) so nothing reads freed memory.
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
             self.history("storage.move", what="expert_buffer")
-        if self.cluster.faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents") is not None:
+        if self.cluster.faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents",
+                                    build_step) is not None:
             self.history("peer.restart", agents=self.cluster.restart_agents(self.pid))
         comm = self.factory(group, self.weights, self.buffer, self.comm)
         self.prepared = (comm, group)

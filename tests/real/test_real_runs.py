@@ -112,6 +112,16 @@ def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_b
     assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}
 
 
+def test_a_prepare_fault_due_inside_the_window_fires_in_both_worlds():
+    """A PREPARE fault due inside the PREPARE's window (steps 1000..1020 here) fired only in the simulation, which
+    builds at the window's end: the real parent decided when it posted PREPARE, at step 1000.  Both now decide for
+    the step the window ends at (carried over since stop 25)."""
+    fault = "storage.move:at_step=1015"
+    sim, real = both(*UP_2_TO_3, "--strategy", "per-communicator-agent", "--fault", fault)
+    assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]), real["detail"]
+
+
 def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_in_both_worlds(tmp_path):
     """Found by review: the real rank kept a gc.cycle holder in the list its exit's leak check reads, so no
     collection could free the cycle and the old agent died with the process, never deregistered; the simulation
