@@ -199,8 +199,9 @@ class LocalLauncher:
 
     def __init__(self, ranks_per_host: int | None = None, device: str = "cpu") -> None:
         self.ranks_per_host = ranks_per_host
-        # GPU ranks start fresh: forking after NIXL's CUDA variant is loaded has not been tried on a GPU host.
-        self._forks = device == "cpu"
+        # GPU ranks are forked too: the zygote makes no CUDA context (each rank makes its own after the fork), and
+        # on an H200 host forked ranks gave what fresh ones give (docs/real-backend.md).
+        self.device = device
         self._zygotes: list[_Zygote] = []
 
     def open(self, scenario) -> None:
@@ -210,7 +211,7 @@ class LocalLauncher:
                                 f"{self.ranks_per_host}: run it under torchrun across hosts (docs/real-backend.md)")
         from .zygote import wanted
 
-        if self._forks and wanted():  # started now, so that its imports overlap the run's own set-up
+        if wanted():  # started now, so that its imports overlap the run's own set-up
             self._zygotes.append(_Zygote(child_env()))
 
     def close(self) -> None:
@@ -237,7 +238,7 @@ class LocalLauncher:
         stdin or in a notebook has none)."""
         mine, theirs = socket.socketpair()
         try:
-            zygote = self._zygote() if self._forks else None
+            zygote = self._zygote()
             pid = zygote.fork(theirs.fileno()) if zygote is not None else None
             if pid is not None:
                 proc: Any = _Forked(zygote, pid)
