@@ -293,9 +293,10 @@ class Worker:
         if th is not None and th.alive:
             self.kernel.wait(th.done, "waiting for the previous group cleanup")
         self.kernel.sleep(prepare_s, "building standby groups")
-        # The faults of the step the window ends at: the engine's own count may still be one serving chunk behind
-        # at this instant (whichever of the two the tie-break wakes first), which made a fault due in that chunk
-        # fire on some ranks and not others, by seed.
+        # The faults of the step the window ends at (or of a later one, if the cleanup wait above held the build
+        # up): the engine's own count may still be one serving chunk behind at this instant (whichever of the two
+        # the tie-break wakes first), which made a fault due in that chunk fire on some ranks and not others, by
+        # seed.
         if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid, "expert_buffer",
                                     build_step) is not None:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
