@@ -39,7 +39,8 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
     owner, conn = start_owner(package, (total / MIB,), dev_b)
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "k": k, "sizes": {}}
     try:
-        reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))  # the owner ends if it fails
+        # Made inside the try: if it fails, the owner is told (its pipe closed) and joined.
+        reader = api.nixl_agent("concurrent-reader", api.nixl_agent_config(backends=["UCX"]))
         metadata, addr, dev_id = from_owner(conn, owner)
         dst = torch.zeros(total, dtype=torch.uint8, device=dev_a)
         if dst.is_cuda:
@@ -96,6 +97,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
         owner.join(30)
         if owner.is_alive():
             owner.kill()
+            owner.join(10)  # reaped, not left a zombie
     return out
 
 

@@ -30,7 +30,8 @@ def _rates(fns, nbytes: int, repeats: int) -> list[float]:
     return [nbytes / statistics.median(t) for t in times]
 
 
-def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu", prep_each: bool = False) -> dict[str, Any]:
+def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu",
+            prep_each: bool = False) -> dict[str, Any]:
     """``prep_each``: every READ prepares its descriptor lists afresh and releases them, as the EPLB communicator's
     ``add_recv`` does (the calibration measures that path); otherwise the lists are prepared once."""
     import torch
@@ -130,7 +131,7 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
     owner, conn = start_owner(package, sizes_mib, dev_b)
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
     try:
-        reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))  # the owner ends if it fails
+        reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))  # failing: the owner ends
         for mib in sizes_mib:
             nbytes = int(mib * MIB)
             metadata, addr, dev_id = from_owner(conn, owner)
@@ -186,5 +187,6 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
         owner.join(30)
         if owner.is_alive():
             owner.kill()
+            owner.join(10)  # reaped, not left a zombie
     out["min_ratio"] = min(v["ratio"] for v in out["sizes"].values())
     return out

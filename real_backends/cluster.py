@@ -162,7 +162,7 @@ class RealCluster(Engine):
         self.t0 = time.monotonic()
         self._store = None
         # who starts rank processes: this host, or torchrun's slots
-        self.launcher = launcher or LocalLauncher(device=device)
+        self.launcher = launcher or LocalLauncher()
 
     # -- messages from the ranks --------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -318,8 +318,8 @@ class RealCluster(Engine):
                       args: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
         PREPARE or a rearrange, taken from the plan here so that ``times`` counts across processes as in the
-        simulation.  A PREPARE's are those of the step its window ends at (``build_step``), as in the simulation,
-        which builds then: the real rank builds at once, so they are decided when the command is posted."""
+        simulation.  A PREPARE's are those of the step its window ends at (``build_step``), decided when the command
+        is posted, as the simulation decides them (its PREPARE builds at that step; the real rank at once)."""
         drops = {"commit": ["old communicator"],
                  "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"],
                  "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])

@@ -197,11 +197,10 @@ class LocalLauncher:
     store_host = "127.0.0.1"
     loopback = True
 
-    def __init__(self, ranks_per_host: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, ranks_per_host: int | None = None) -> None:
+        # Ranks on every device are forked: the zygote makes no CUDA context (a GPU rank makes its own after the
+        # fork), and on an H200 host forked ranks gave what fresh ones give (docs/real-backend.md).
         self.ranks_per_host = ranks_per_host
-        # GPU ranks are forked too: the zygote makes no CUDA context (each rank makes its own after the fork), and
-        # on an H200 host forked ranks gave what fresh ones give (docs/real-backend.md).
-        self.device = device
         self._zygotes: list[_Zygote] = []
 
     def open(self, scenario) -> None:

@@ -25,7 +25,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     strategy = strategy or scenario.strategy
     armed = fault_catalogue.arm(scenario.faults, faults)
     if launcher is None:
-        launcher = LocalLauncher(ranks_per_host, device)
+        launcher = LocalLauncher(ranks_per_host)
     require_real(device)
     started = time.perf_counter()
     cluster = RealCluster(scenario, seed=seed, strategy=strategy, faults=armed, device=device,

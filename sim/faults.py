@@ -220,8 +220,8 @@ class FaultPlan:
 
     def take(self, sites, pid: int, what: str, step: int | None = None) -> Armed | None:
         """The first armed fault among ``sites`` that applies to process ``pid`` now, marked as fired.  ``step``: the
-        earliest forward step the faulted action belongs to, when the engine's count may not have reached it (a
-        PREPARE's build belongs to the end of its window, or later if it waited, whichever world decides it)."""
+        forward step the faulted action belongs to, when that is not the engine's current one (a PREPARE's build
+        belongs to the end of its window: both worlds decide its faults when it is posted, for that step)."""
         if self.healing:
             return None
         for a in self.armed:
@@ -231,7 +231,7 @@ class FaultPlan:
                 continue
             if "what" in a.params and str(a.params["what"]) not in what:
                 continue
-            if a.at_step > (self.step if step is None else max(step, self.step)):
+            if a.at_step > (self.step if step is None else step):
                 continue
             a.fired += 1
             if a.first_fired_at is None:

@@ -281,31 +281,35 @@ class Worker:
             aborted, self.aborted = self.aborted, None
             self.cluster.gc.drop(self.pid, aborted, "aborted communicator")
             del aborted
+        # Its worker faults are decided now, for the step it builds at, as the real parent decides them when it
+        # posts (its ranks build at once).  Deciding them at the build read the engine's count at an instant it
+        # could still be one serving chunk behind (whichever the tie-break woke first): a fault due in the window's
+        # last chunk fired on some ranks and not others, by seed; and in a run that ended inside the window they
+        # counted as fired on real ranks only.
+        faults = self.cluster.faults
+        storage_move = faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid, "expert_buffer",
+                                   build_step) is not None
+        peer_restart = faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents",
+                                   build_step) is not None
         done = self.kernel.env.event()
-        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done, build_step,
-                          pid=self.pid, daemon=True)
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done, storage_move,
+                          peer_restart, pid=self.pid, daemon=True)
         return done
 
-    def _prepare(self, group, prepare_s: float, done, build_step: int | None) -> None:
+    def _prepare(self, group, prepare_s: float, done, storage_move: bool, peer_restart: bool) -> None:
         # vLLM's prepare begins by waiting for the previous reconfiguration's group cleanup (_wait_for_group_cleanup):
         # a retired group's buffers are gone before standby groups are built.
         th, self.cleanup_thread = self.cleanup_thread, None
         if th is not None and th.alive:
             self.kernel.wait(th.done, "waiting for the previous group cleanup")
         self.kernel.sleep(prepare_s, "building standby groups")
-        # The faults of the step the window ends at (or of a later one, if the cleanup wait above held the build
-        # up): the engine's own count may still be one serving chunk behind at this instant (whichever of the two
-        # the tie-break wakes first), which made a fault due in that chunk fire on some ranks and not others, by
-        # seed.
-        if self.cluster.faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid, "expert_buffer",
-                                    build_step) is not None:
+        if storage_move:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
             # here by the worker) so nothing reads freed memory.
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
             self.history("storage.move", what="expert_buffer")
-        if self.cluster.faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents",
-                                    build_step) is not None:
+        if peer_restart:
             self.history("peer.restart", agents=self.cluster.restart_agents(self.pid))
         comm = self.factory(group, self.weights, self.buffer, self.comm)
         self.prepared = (comm, group)

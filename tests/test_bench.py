@@ -92,9 +92,9 @@ def test_a_nixl_peer_that_dies_is_one_error_not_a_reader_waiting_for_ever() -> N
         transfers._measure(api, "no_such_nixl_package", (1,), 1, "cpu")
 
 
-def test_an_owner_whose_reader_gave_up_ends_quietly(capfd) -> None:
+def test_an_owner_whose_reader_gave_up_ends_quietly() -> None:
     """The reader stopped waiting (``from_owner``'s timeout) and closed its end before the owner registered: the owner
-    ends without a BrokenPipe traceback of its own."""
+    returns instead of dying on a BrokenPipeError (which its process printed as a traceback)."""
     import multiprocessing as mp
 
     from benchmarks import transfers
@@ -103,8 +103,10 @@ def test_an_owner_whose_reader_gave_up_ends_quietly(capfd) -> None:
     package = real_nixl_or_skip()[2]
     reader_end, owner_end = mp.Pipe()
     reader_end.close()
-    transfers._owner(owner_end, package, (1,), "cpu")  # returns; used to raise BrokenPipeError
-    assert "Traceback" not in capfd.readouterr().err
+    try:
+        transfers._owner(owner_end, package, (1,), "cpu")
+    finally:
+        owner_end.close()
 
 
 def test_a_reader_that_cannot_make_its_agent_leaves_no_owner_behind() -> None:

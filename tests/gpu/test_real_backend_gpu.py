@@ -20,11 +20,15 @@ def _run(*args: str) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["shared-agent", "per-communicator-agent", "arena-registry"])
-def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy) -> None:
+def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy, tmp_path) -> None:
     real_nixl_or_skip()
-    real = _run(*UP_2_TO_3, "--strategy", strategy, "--backend", "real", "--device", "cuda")
+    real = _run(*UP_2_TO_3, "--strategy", strategy, "--backend", "real", "--device", "cuda", "--out", str(tmp_path))
     sim = _run(*UP_2_TO_3, "--strategy", strategy, "--profile", "cuda")
     assert real["profile"] == "real-cuda"
+    # GPU ranks come from the zygote as CPU ranks do (it makes no CUDA context; each rank makes its own).
+    starts = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()
+              if '"process.start"' in line]
+    assert {s["started_as"] for s in starts} == {"fork"}, starts
     assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
     assert (sim["verdict"], sim["invariant"]) == ("pass", None)
     if (real["verdict"], real["invariant"]) == ("safety", "expert_weights") and "of layer" in real["detail"]:

@@ -369,3 +369,17 @@ def test_what_the_code_under_test_prints_stays_out_of_the_json(tmp_path, monkeyp
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["verdict"] == "pass"
     assert "chatty strategy loaded" in done.stderr
+
+
+def test_the_readable_summary_of_a_real_run_names_a_progress_delay_only_when_one_was_in_effect() -> None:
+    from sim.run import Result
+    from sim.runner import summary
+
+    def real(delays) -> str:
+        return summary(Result("pass", None, None, 0, "scale-up", "shared-agent", "real-cpu", "", 10, 1.0, 2.0,
+                              metrics={"nixl_progress_delay_us": delays}))
+
+    assert "poll timeout" not in real([0]) and "poll timeout" not in real([])  # vLLM's own busy loop, or no rank
+    assert real([1000]).splitlines()[-1] == ("NIXL progress threads: poll timeout 1000 us "
+                                             "(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
+    assert "poll timeout 0, 1000 us" in real([0, 1000])  # torchrun slots on hosts set up differently
