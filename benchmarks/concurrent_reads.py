@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.transfers import MIB, _pattern, _quiet, from_owner, memory_and_devices, start_owner
+from benchmarks.transfers import MIB, _pattern, _quiet, from_owner, memory_and_devices, start_owner, stop_owner
 
 
 def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: int = 9) -> dict[str, Any]:
@@ -93,11 +93,7 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
         conn.send("next")  # the owner's only size: it deregisters and ends
     finally:
         torch.set_num_threads(threads)
-        conn.close()  # an owner still waiting for "next" (this side failed) sees the end and stops
-        owner.join(30)
-        if owner.is_alive():
-            owner.kill()
-            owner.join(10)  # reaped, not left a zombie
+        stop_owner(conn, owner)
     return out
 
 

@@ -97,6 +97,16 @@ def start_owner(package: str, sizes_mib, device: str):
     return owner, conn
 
 
+def stop_owner(conn, owner) -> None:
+    """End the owner process: closing this end tells an owner still waiting for "next" (this side failed) to stop;
+    one that does not is killed, and reaped either way."""
+    conn.close()
+    owner.join(30)
+    if owner.is_alive():
+        owner.kill()
+        owner.join(10)
+
+
 def from_owner(conn, owner, wait_s: float = 120.0):
     """The owner's next message: its registered memory.  An owner that died or never answered is one clear error
     (the reader used to wait on the pipe for ever)."""
@@ -183,10 +193,6 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
             reader.deregister_memory(reg_dst)
             conn.send("next")
     finally:
-        conn.close()  # an owner still waiting for "next" (this side failed) sees the end and stops
-        owner.join(30)
-        if owner.is_alive():
-            owner.kill()
-            owner.join(10)  # reaped, not left a zombie
+        stop_owner(conn, owner)
     out["min_ratio"] = min(v["ratio"] for v in out["sizes"].values())
     return out

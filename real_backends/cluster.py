@@ -335,10 +335,8 @@ class RealCluster(Engine):
             if lag is not None:
                 extra["stream_lag_s"] = float(lag.params.get("delay_s", 0.01))
         if kind == "prepare":
-            for site, flag in (("storage.move", "storage_move"), ("peer.restart", "peer_restart")):
-                extra[flag] = self.faults.take({site: fault_catalogue.WORKER_SITES[site]}, w.pid,
-                                               "expert_buffer" if site == "storage.move" else "agents",
-                                               args.get("build_step")) is not None
+            fired = self.faults.take_prepare(w.pid, args.get("build_step"))
+            extra["storage_move"], extra["peer_restart"] = fired["storage.move"], fired["peer.restart"]
         return gc_faults, extra
 
     # -- the run ------------------------------------------------------------------------------------------------

@@ -72,8 +72,9 @@ def _preload() -> str | None:
         import_real_nixl()
     except Exception as exc:  # noqa: BLE001 - a fresh rank then meets the same error and reports it
         return f"importing what a rank needs failed: {type(exc).__name__}: {exc}"
-    if _threads() != 1:
-        return f"{_threads()} threads after the imports (forking is safe with one)"
+    threads = _threads()
+    if threads != 1:
+        return f"{threads} threads after the imports (forking is safe with one)"
     return None
 
 
@@ -111,10 +112,11 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
             if msg[1] in children:
                 os.kill(msg[1], signal.SIGKILL)
             continue
-        if _threads() != 1:  # never fork with a second thread, whose locks the child would inherit held; the
+        threads = _threads()
+        if threads != 1:  # never fork with a second thread, whose locks the child would inherit held; the
             for fd in fds:  # ranks already forked go on (an exit would take them with it)
                 os.close(fd)
-            if not _tell(ctrl, ("unusable", f"{_threads()} threads at a fork")):
+            if not _tell(ctrl, ("unusable", f"{threads} threads at a fork")):
                 return None
             continue
         me = os.getpid()

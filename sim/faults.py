@@ -49,6 +49,8 @@ WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
                              "cleanup thread, while the new group already serves (DeepEP scenarios)",
                              frozenset({"delay_s"})),
 }
+# A PREPARE's worker faults, in the order they are decided, with what each one moves or restarts.
+PREPARE_SITES = (("storage.move", "expert_buffer"), ("peer.restart", "agents"))
 COMMON = frozenset({"rank", "times", "at_step"})
 # Every drop a worker hands to the GC controller, by name; a GC fault's ``what`` must be part of one of them.
 DROPS = ("old communicator", "aborted communicator", "prepared", "aborted", "communicator at exit",
@@ -217,6 +219,13 @@ class FaultPlan:
 
     def take_gc(self, pid: int, what: str) -> Armed | None:
         return self.take(GC_SITES, pid, what)
+
+    def take_prepare(self, pid: int, build_step: int | None) -> dict[str, bool]:
+        """Whether each of a PREPARE's worker faults fires for process ``pid`` (site -> fired), decided when PREPARE
+        is posted for ``build_step``, the step its window ends at and it builds: one decision for both worlds (the
+        simulated PREPARE builds at that step, real ranks at once)."""
+        return {site: self.take({site: WORKER_SITES[site]}, pid, what, build_step) is not None
+                for site, what in PREPARE_SITES}
 
     def take(self, sites, pid: int, what: str, step: int | None = None) -> Armed | None:
         """The first armed fault among ``sites`` that applies to process ``pid`` now, marked as fired.  ``step``: the

@@ -286,14 +286,10 @@ class Worker:
         # could still be one serving chunk behind (whichever the tie-break woke first): a fault due in the window's
         # last chunk fired on some ranks and not others, by seed; and in a run that ended inside the window they
         # counted as fired on real ranks only.
-        faults = self.cluster.faults
-        storage_move = faults.take({"storage.move": WORKER_SITES["storage.move"]}, self.pid, "expert_buffer",
-                                   build_step) is not None
-        peer_restart = faults.take({"peer.restart": WORKER_SITES["peer.restart"]}, self.pid, "agents",
-                                   build_step) is not None
+        fired = self.cluster.faults.take_prepare(self.pid, build_step)
         done = self.kernel.env.event()
-        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done, storage_move,
-                          peer_restart, pid=self.pid, daemon=True)
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done,
+                          fired["storage.move"], fired["peer.restart"], pid=self.pid, daemon=True)
         return done
 
     def _prepare(self, group, prepare_s: float, done, storage_move: bool, peer_restart: bool) -> None:

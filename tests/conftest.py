@@ -31,6 +31,15 @@ def epsim_here(*args: str) -> subprocess.CompletedProcess:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     return subprocess.CompletedProcess(["epsim", *args], code, out.getvalue(), err.getvalue())
 
+def started_as(out) -> list[str]:
+    """How each rank process of a real run written with ``--out out`` was started (``process.start`` records)."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(out) / "history.jsonl").read_text().splitlines()
+    return [json.loads(line)["started_as"] for line in lines if '"process.start"' in line]
+
+
 # On a small machine, real rank processes give NIXL's progress thread a 1 ms poll timeout instead of nixl._api's
 # busy loop, a core spinning per agent (real_backends/nixl_real.py): on a 2-core machine that loop took a third of
 # the real-backend tests' CPU (user and system time over four real runs: 116 s with it, 82 s without).  A host with

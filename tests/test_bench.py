@@ -104,7 +104,7 @@ def test_an_owner_whose_reader_gave_up_ends_quietly() -> None:
     reader_end, owner_end = mp.Pipe()
     reader_end.close()
     try:
-        transfers._owner(owner_end, package, (1,), "cpu")
+        assert transfers._owner(owner_end, package, (1,), "cpu") is None  # returned; used to raise BrokenPipeError
     finally:
         owner_end.close()
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import epsim, real_nixl_or_skip
+from tests.conftest import epsim, real_nixl_or_skip, started_as
 
 UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
 LEDGER = ("registrations", "duplicate_registrations", "agents_created", "transfers", "bytes_moved")
@@ -26,9 +26,7 @@ def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy, tmp_path) -> No
     sim = _run(*UP_2_TO_3, "--strategy", strategy, "--profile", "cuda")
     assert real["profile"] == "real-cuda"
     # GPU ranks come from the zygote as CPU ranks do (it makes no CUDA context; each rank makes its own).
-    starts = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()
-              if '"process.start"' in line]
-    assert {s["started_as"] for s in starts} == {"fork"}, starts
+    assert set(started_as(tmp_path)) == {"fork"}, started_as(tmp_path)
     assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
     assert (sim["verdict"], sim["invariant"]) == ("pass", None)
     if (real["verdict"], real["invariant"]) == ("safety", "expert_weights") and "of layer" in real["detail"]:

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from real_backends import launch
-from tests.conftest import epsim, epsim_here, real_nixl_or_skip
+from tests.conftest import epsim, epsim_here, real_nixl_or_skip, started_as
 from tests.real.test_no_leftovers import living, wait_gone
 from tests.real.test_real_runs import LEDGER
 
@@ -80,9 +80,7 @@ def test_fresh_interpreters_where_the_zygote_cannot_be_used_run_the_same_run(mon
     real = json.loads(done.stdout.strip().splitlines()[-1])
     assert real["verdict"] == sim["verdict"] == "pass", real["detail"]
     assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
-    starts = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()
-              if '"process.start"' in line]
-    assert [s["started_as"] for s in starts] == ["interpreter"] * 3
+    assert started_as(tmp_path) == ["interpreter"] * 3
 
 
 def test_epsim_rank_zygote_0_asks_for_fresh_interpreters(monkeypatch):
