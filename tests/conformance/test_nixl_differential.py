@@ -178,14 +178,20 @@ def real_observations(player, program, fake) -> list:
     real = player.play(program)
     if real.died is None:
         return real.steps
-    at = len(real.steps)
     again = player.play(program)
     if again.died is not None:
-        pytest.fail(f"real NIXL died at step {at} {program[at]} ({real.died}), and again at step {len(again.steps)} "
-                    f"({again.died}) when played once more; the fake answered {fake[at]!r}\nprogram: {program}")
-    warnings.warn(RealLibraryRace(f"real NIXL died ({real.died}) at step {at} {program[at]} once and not when "
-                                  f"played again (the fake answered {fake[at]!r}); program: {program}"))
+        pytest.fail(f"real NIXL died {_where(real, program, fake)}, and again {_where(again, program, fake)} when "
+                    f"played once more\nprogram: {program}")
+    warnings.warn(RealLibraryRace(f"real NIXL died {_where(real, program, fake)} once and not when played again; "
+                                  f"program: {program}"))
     return again.steps
+
+
+def _where(played: Played, program, fake) -> str:
+    at = len(played.steps)
+    if at >= len(program):  # every step answered: the agents' teardown killed it
+        return f"({played.died}) after the last step, closing its agents"
+    return f"({played.died}) at step {at} {program[at]} (the fake answered {fake[at]!r})"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -213,11 +219,13 @@ PROGRAM = [("reg", "A", "ta"), ("post", 0), ("drain",)]
 
 def test_a_real_death_that_does_not_repeat_is_a_race_warning_and_the_rerun_counts() -> None:
     player = _Replay(Played(["ok"], "SIGSEGV"), Played(["ok", "DONE", 1]))
-    with pytest.warns(RealLibraryRace, match=r"died \(SIGSEGV\) at step 1 \('post', 0\) once"):
+    said = r"died \(SIGSEGV\) at step 1 \('post', 0\) \(the fake answered 'DONE'\) once"
+    with pytest.warns(RealLibraryRace, match=said):
         assert real_observations(player, PROGRAM, ["ok", "DONE", 1]) == ["ok", "DONE", 1]
 
 
 def test_a_real_death_that_repeats_fails_the_test() -> None:
-    player = _Replay(Played(["ok"], "SIGSEGV"), Played(["ok"], "SIGSEGV"))
-    with pytest.raises(pytest.fail.Exception, match=r"died at step 1 \('post', 0\) \(SIGSEGV\), and again"):
+    player = _Replay(Played(["ok"], "SIGSEGV"), Played(["ok", "DONE", 1], "SIGSEGV"))
+    said = r"died \(SIGSEGV\) at step 1 .*, and again \(SIGSEGV\) after the last step"
+    with pytest.raises(pytest.fail.Exception, match=said):
         real_observations(player, PROGRAM, ["ok", "DONE", 1])
