@@ -96,9 +96,11 @@ class RankProcess:
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
         self.conn, self.proc = cluster.launcher.start(cfg)
-        # Events carry the rank host's monotonic clock; a torchrun slot on another host measured its offset at
-        # connect (to within the connection's latency).
-        self.clock_offset = float(getattr(self.proc, "info", {}).get("clock_offset", 0.0))
+        # Events carry the rank host's monotonic clock: the same clock as this process's on this kernel; a torchrun
+        # slot on another host measured its offset at connect, to within clock_bound (real_backends/launch.py).
+        info = getattr(self.proc, "info", {})
+        self.clock_offset = float(info.get("clock_offset", 0.0))
+        self.clock_bound = float(info.get("clock_bound", 0.0))
         self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
         self.reader.start()
 
@@ -220,7 +222,8 @@ class RealCluster(Engine):
                          timeout_s=self.timeout_s)
         w = RankProcess(self, pid, cfg)
         self.workers[pid] = w
-        self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank, started_as=w.proc.started_as)
+        clock = {"clock_offset_s": w.clock_offset, "clock_bound_s": w.clock_bound} if w.clock_bound else {}
+        self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank, started_as=w.proc.started_as, **clock)
         return w
 
     def _device_of(self, pid: int) -> str:

@@ -12,7 +12,14 @@ the key, and waits. (The earlier fixed choice, ``MASTER_PORT+1``, may be held by
 the run then fails at start for no reason of its own.) A rank the scenario starts takes the next waiting slot, on
 that slot's GPU (``LOCAL_RANK``); a slot serves one rank and then exits, as a process retired by a scale-down does.
 Slots no rank needed are told so at the end. Multi-host addresses are asked for by running under torchrun, so
-nothing here forces loopback. A slot's events are put on slot 0's clock with the offset measured when it connected.
+nothing here forces loopback.
+
+A slot's events are stamped with its host's monotonic clock. A slot on slot 0's kernel (same boot, same time
+namespace) reads the very same clock, so its events need no correction; one elsewhere is put on slot 0's clock with
+an offset measured at connect by a few request-reply rounds, the round with the shortest round trip giving the
+estimate and half that round trip its bound. (Taking one one-way message's latency as the offset, as epsim first
+did, shifted the ranks of one host apart by however long a loaded host took to deliver that message: a few
+milliseconds on this 2-core VM, enough for the judge to see a peer's READ land after its source was destroyed.)
 """
 
 from __future__ import annotations
@@ -27,12 +34,71 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any
+from typing import Any, Callable
 
 from sim.errors import ScenarioError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ACCEPT_TIMEOUT_S = 300.0
+CLOCK_ROUNDS = 16  # request-reply rounds that measure a slot's clock offset when it runs on another kernel
+
+
+def clock_domain() -> str | None:
+    """What names this process's monotonic clock: the kernel's boot and the time namespace; None if unknown.
+
+    CLOCK_MONOTONIC is one clock for every process of one boot of one kernel, containers included, unless a time
+    namespace offsets it (Linux 5.6+, rare); two processes with the same domain read the same clock.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    try:
+        namespace = os.readlink("/proc/self/ns/time")
+    except OSError:  # a kernel without time namespaces: every process shares the boot's clock
+        namespace = "time:-"
+    return f"{boot}/{namespace}"
+
+
+def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS) -> tuple[float, float]:
+    """(offset, bound) of the slot on ``conn``: its monotonic clock plus offset is this process's, within bound.
+
+    Each round asks for the slot's clock and times the round trip; the reading was taken somewhere inside it, so the
+    midpoint of the shortest round is the estimate and half of that round trip the most it can be off.
+    """
+    best: tuple[float, float] | None = None
+    for _ in range(rounds):
+        sent = time.monotonic()
+        conn.send(("clock?",))
+        theirs = conn.recv()[1]
+        back = time.monotonic()
+        estimate = ((sent + back) / 2 - theirs, (back - sent) / 2)
+        if best is None or estimate[1] < best[1]:
+            best = estimate
+    assert best is not None
+    return best
+
+
+def place_clock(conn: Connection, info: dict[str, Any]) -> None:
+    """Put the slot's ``clock_offset`` and ``clock_bound`` (seconds) in ``info``, the slot's hello."""
+    if info.get("clock_domain") is not None and info["clock_domain"] == clock_domain():
+        info["clock_offset"], info["clock_bound"] = 0.0, 0.0  # the same clock: nothing to correct
+    else:
+        info["clock_offset"], info["clock_bound"] = measure_clock_offset(conn)
+
+
+def answer_clock(conn: Connection, clock: Callable[[], float] = time.monotonic) -> Any:
+    """The slot's side of :func:`measure_clock_offset`: answer clock requests; the first other message, or None
+    if the connection closed."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return None
+        if msg[0] != "clock?":
+            return msg
+        conn.send(("clock", clock()))
 
 
 class _Child:
@@ -392,7 +458,7 @@ class TorchrunLauncher:
                 conn.close()
                 continue
             info = conn.recv()
-            info["clock_offset"] = time.monotonic() - info["clock"]
+            place_clock(conn, info)
             slots.append((conn, info))
         self._free = sorted(slots, key=lambda s: s[1]["rank"])
         hosts = {info["host"] for _, info in slots}
@@ -464,12 +530,9 @@ def serve_slot() -> int:
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
     conn.send({"rank": rank, "local_rank": local, "host": socket.gethostname(), "os_pid": os.getpid(),
-               "clock": time.monotonic()})
-    try:
-        msg = conn.recv()
-    except (EOFError, OSError):
-        return 0
-    if msg[0] != "config":
+               "clock_domain": clock_domain()})
+    msg = answer_clock(conn)
+    if msg is None or msg[0] != "config":
         return 0
     rank_main(conn, msg[1])
     return 0
