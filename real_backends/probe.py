@@ -115,13 +115,24 @@ def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str
                   names: list[str] | None = None, progress=None) -> dict[str, Any]:
     """Every case (or ``names``).  Without ``profile``, cases are judged against the profile they match (or, if
     none matches, the default for the memory kind: dram for host memory, cuda for VRAM)."""
-    chosen = profile or ("cuda" if memory == "VRAM" else "dram")
+    chosen = default_profile(profile, memory)
     make_backend(backend, chosen, memory).close()  # an unusable backend is one error, not a failure per case
     results = []
     for name in names or list(CASES):
         results.append(run_case(name, backend, chosen, memory))
         if progress:
             progress(results[-1])
+    return summarise(results, backend, profile, memory)
+
+
+def default_profile(profile: str | None, memory: str) -> str:
+    return profile or ("cuda" if memory.upper() == "VRAM" else "dram")
+
+
+def summarise(results: list[dict[str, Any]], backend: str, profile: str | None, memory: str) -> dict[str, Any]:
+    """The catalogue's report from its cases' results (judged against ``default_profile``): without ``profile``,
+    every case is judged again against the profile the observations match, if one does."""
+    chosen = default_profile(profile, memory)
     observed = {r["name"]: r["observed"] for r in results if r["outcome"] != "skip"}
     matched = matched_profile(observed, hardware=backend == "real")
     if profile is None and matched is not None and matched != chosen:
@@ -138,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--raw", action="store_true", help="one case, its observation only (internal)")
+    parser.add_argument("--stream", action="store_true",
+                        help="a JSON line as each case starts and ends, no report (internal: epsim conform)")
     args = parser.parse_args(argv)
     memory = args.memory.upper()
     if args.raw:
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .nixl_real import NixlUnavailable
 
+    if args.stream:
+        return _stream(args.backend, args.profile, memory, args.case)
     try:
         report = run_catalogue(args.backend, args.profile, memory, args.case,
                                progress=None if args.json else _print_line)
@@ -168,6 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     failed = any(r["outcome"] == "fail" for r in report["cases"])
     sys.stdout.flush()
     os._exit(1 if failed else 0)
+
+
+def _stream(backend: str, profile: str | None, memory: str, names: list[str] | None) -> int:
+    """Each case's start and result as a line of its own, so a parent that sees this process die knows which
+    case it died in and keeps every result before it (``sim.conform``)."""
+    from .nixl_real import NixlUnavailable
+
+    chosen = default_profile(profile, memory)
+    try:
+        make_backend(backend, chosen, memory).close()
+    except NixlUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return UNAVAILABLE
+    except Exception as exc:  # noqa: BLE001 - one line for the parent to show
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    for name in names or list(CASES):
+        print(json.dumps({"starting": name}), flush=True)
+        print(json.dumps({"case": run_case(name, backend, chosen, memory)}), flush=True)
+    os._exit(0)  # skip interpreter teardown with agents alive: every result is already out
 
 
 def _print_line(r: dict[str, Any]) -> None:

@@ -131,7 +131,7 @@ def conformance(device: str) -> dict[str, Any]:
     cases = [{"name": c["name"], "outcome": c["outcome"], "observed": c["observed"], "expected": c["expected"]}
              for c in report["cases"]]
     return {"memory": memory, "profile": predicted_profile(device), "matched_profile": report["matched_profile"],
-            "cases": cases, "agree": all(c["outcome"] != "fail" for c in cases)}
+            "cases": cases, "notes": report["notes"], "agree": all(c["outcome"] != "fail" for c in cases)}
 
 
 def run_validation(device: str = "cpu", quick: bool = False, timeout_s: float = 120.0, catalogue: bool = True,

@@ -53,8 +53,11 @@ def conform(
         typer.echo(json.dumps({"backend": report["backend"], "memory": report["memory"],
                                "profile": report["profile"], "matched_profile": report["matched_profile"],
                                "cases": [{"name": c["name"], "outcome": c["outcome"], "observed": c["observed"],
-                                          "expected": c["expected"]} for c in report["cases"]]}))
+                                          "expected": c["expected"]} for c in report["cases"]],
+                               "notes": report["notes"]}))
     else:
+        for note in report["notes"]:
+            typer.echo(f"epsim: note: {note}", err=True)
         for c in report["cases"]:
             line = f"{c['outcome']:4}  {c['name']}"
             if c["outcome"] == "fail":
@@ -183,6 +186,8 @@ def _validation_table(report) -> None:
         console.print(f"NIXL catalogue on real {conf['memory'].upper()}: {len(conf['cases']) - len(fails)} of "
                       f"{len(conf['cases'])} cases as profile {conf['profile']} predicts; matched profile "
                       f"{conf['matched_profile'] or 'none'}" + (f"; differ: {', '.join(fails)}" if fails else ""))
+        for note in conf.get("notes", ()):
+            console.print(f"note: {note}")
     table = Table(title=f"simulation ({report['profile']}) vs real ({report['device']})")
     for col in ("case", "simulated", "real", "agree"):
         table.add_column(col, overflow="fold")

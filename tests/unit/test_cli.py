@@ -59,12 +59,15 @@ def test_conform_exit_status(monkeypatch, capsys, outcomes, matched, status) -> 
     from sim import cli, conform
 
     report = {"backend": "real", "memory": "DRAM", "profile": "dram", "matched_profile": matched,
-              "cases": [{"name": f"c{i}", "outcome": o, "observed": 1, "expected": 1} for i, o in enumerate(outcomes)]}
+              "cases": [{"name": f"c{i}", "outcome": o, "observed": 1, "expected": 1} for i, o in enumerate(outcomes)],
+              "notes": ["c0: the catalogue's process died in it (SIGSEGV)"]}  # a death run again changes nothing
     monkeypatch.setattr(conform, "run", lambda backend, profile, memory: report)
     with pytest.raises(SystemExit) as done:
         cli.main(["conform", "--backend", "real"])
     assert done.value.code == status
-    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"matched profile: {matched or 'none'}")
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1].endswith(f"matched profile: {matched or 'none'}")
+    assert err.splitlines() == ["epsim: note: c0: the catalogue's process died in it (SIGSEGV)"]
 
 
 def test_conform_on_an_unusable_backend_is_one_line_exit_2() -> None:
