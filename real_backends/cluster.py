@@ -222,7 +222,8 @@ class RealCluster(Engine):
                          timeout_s=self.timeout_s)
         w = RankProcess(self, pid, cfg)
         self.workers[pid] = w
-        clock = {"clock_offset_s": w.clock_offset, "clock_bound_s": w.clock_bound} if w.clock_bound else {}
+        # a torchrun slot's placement on this clock, as applied to its events (a local rank shares the clock)
+        clock = {"clock_offset_s": w.clock_offset, "clock_bound_s": w.clock_bound} if hasattr(w.proc, "info") else {}
         self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank, started_as=w.proc.started_as, **clock)
         return w
 

@@ -40,6 +40,7 @@ from sim.errors import ScenarioError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ACCEPT_TIMEOUT_S = 300.0
+HELLO_TIMEOUT_S = 60.0  # a connected slot's hello, and each answer to a clock request
 CLOCK_ROUNDS = 16  # request-reply rounds that measure a slot's clock offset when it runs on another kernel
 
 
@@ -71,6 +72,8 @@ def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS) -> tuple[
     for _ in range(rounds):
         sent = time.monotonic()
         conn.send(("clock?",))
+        if not conn.poll(HELLO_TIMEOUT_S):
+            raise TimeoutError("the slot did not answer a clock request")
         theirs = conn.recv()[1]
         back = time.monotonic()
         estimate = ((sent + back) / 2 - theirs, (back - sent) / 2)
@@ -457,8 +460,17 @@ class TorchrunLauncher:
             except Exception:  # noqa: BLE001 - not one of ours: drop it and go on waiting
                 conn.close()
                 continue
-            info = conn.recv()
-            place_clock(conn, info)
+            try:  # a slot that dies or stalls before it is placed is dropped, as one that fails the challenge
+                if not conn.poll(HELLO_TIMEOUT_S):
+                    raise TimeoutError("no hello")
+                info = conn.recv()
+                if "clock_domain" not in info:
+                    raise ScenarioError(f"torchrun slot {info.get('rank')} runs another version of epsim (its hello "
+                                        "has no clock domain); start every slot from the same epsim")
+                place_clock(conn, info)
+            except (EOFError, OSError, TimeoutError):
+                conn.close()
+                continue
             slots.append((conn, info))
         self._free = sorted(slots, key=lambda s: s[1]["rank"])
         hosts = {info["host"] for _, info in slots}

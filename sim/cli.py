@@ -177,6 +177,7 @@ def validate(
 
 def _validation_table(report) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=max(140, Console().width))
@@ -186,8 +187,8 @@ def _validation_table(report) -> None:
         console.print(f"NIXL catalogue on real {conf['memory'].upper()}: {len(conf['cases']) - len(fails)} of "
                       f"{len(conf['cases'])} cases as profile {conf['profile']} predicts; matched profile "
                       f"{conf['matched_profile'] or 'none'}" + (f"; differ: {', '.join(fails)}" if fails else ""))
-        for note in conf.get("notes", ()):
-            console.print(f"note: {note}")
+        for note in conf.get("notes", ()):  # a note quotes a library's stderr: "[host:pid]" is not rich markup
+            console.print(f"note: {escape(note)}")
     table = Table(title=f"simulation ({report['profile']}) vs real ({report['device']})")
     for col in ("case", "simulated", "real", "agree"):
         table.add_column(col, overflow="fold")

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from fakes.conformance import CASES
@@ -55,56 +56,101 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
         left = [name for name in CASES if name not in results]
         # a case that killed its child once runs alone, so a second death is that case's and nothing else's
         batch = left[:1] if left[0] in died_once else left
-        finished, starting, death = _play(probe, backend, chosen, memory, batch, deadline, timeout_s)
-        results.update(finished)
-        if death is None:
+        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results))
+        results.update(child.finished)
+        if child.death is None:
             continue
-        if starting is None and finished:  # it died between two cases: count it against the next one
-            starting = next(name for name in batch if name not in finished)
-        if starting is None:
-            raise BackendUnavailable(f"the conformance run on {backend} NIXL produced no result: {death}")
-        if starting in died_once:
-            notes.append(f"{starting}: its process died again ({death}) when run alone; that is its observation")
-            results[starting] = judge({"name": starting, "observed": death}, chosen, hardware=backend == "real")
+        if child.started is not None:
+            victim, where = child.started, "in it"
+        elif not results:  # nothing observed at all: the backend cannot run the catalogue here
+            raise BackendUnavailable(f"the conformance run on {backend} NIXL produced no result: "
+                                     f"{child.death}{child.said}")
+        else:  # before its first case, or between two: counted against the next one, which was never started
+            victim = next(name for name in batch if name not in child.finished)
+            where = "before it started" + (f" (after {child.last})" if child.last else "")
+        if victim in died_once:
+            notes.append(f"{victim}: its process died again {where}, run alone ({child.death}{child.said}); "
+                         "that is its observation")
+            results[victim] = judge({"name": victim, "observed": child.death}, chosen, hardware=backend == "real")
         else:
-            died_once.add(starting)
-            notes.append(f"{starting}: the catalogue's process died in it ({death}); the case runs again alone, "
-                         "and the cases after it in a fresh process")
+            died_once.add(victim)
+            notes.append(f"{victim}: the catalogue's process died {where} ({child.death}{child.said}); it runs "
+                         "again alone, and the cases after it in a fresh process")
     report = summarise([results[name] for name in CASES], backend, profile, memory.upper())
     report["notes"] = notes
     return report
 
 
+@dataclass
+class _Ended:
+    """How one child ended: the results it printed, the case it had started and not finished (if any), the last
+    case it finished, and ``death`` (``SIGSEGV``, ``exit 5``; None when it ran every case) with ``said``, the
+    last line of its stderr after an exit with a status (``": ..."``, or empty)."""
+
+    finished: dict[str, dict[str, Any]] = field(default_factory=dict)
+    started: str | None = None
+    last: str | None = None
+    death: str | None = None
+    said: str = ""
+
+
 def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names: list[str], deadline: float,
-          timeout_s: float) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
-    """Run ``names`` in one child: (results by name, the case it was in when it ended, how it died or None)."""
+          timeout_s: float, observed: int) -> _Ended:
+    """Run ``names`` in one child."""
     cmd = [*probe, "--backend", backend, "--profile", profile, "--memory", memory, "--stream"]
     for name in names:
         cmd += ["--case", name]
+    left = deadline - time.monotonic()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
-                              preexec_fn=die_with_parent)
+        if left <= 0:
+            raise subprocess.TimeoutExpired(cmd, timeout_s)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, preexec_fn=die_with_parent)
     except subprocess.TimeoutExpired:
-        raise BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s") \
-            from None
-    finished: dict[str, dict[str, Any]] = {}
-    starting = None
+        raise BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s "
+                                 f"({observed} of {len(CASES)} cases observed before the last process)") from None
+    ended = _Ended()
     for line in done.stdout.splitlines():
-        if not line.startswith("{"):
+        msg = _ours(line)
+        if msg is None:
             continue
-        msg = json.loads(line)
         if "starting" in msg:
-            starting = msg["starting"]
-        elif "case" in msg:
-            finished[msg["case"]["name"]] = msg["case"]
-            starting = None
-    if all(name in finished for name in names):
-        return finished, None, None
-    tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    if starting is None and done.returncode == UNAVAILABLE:
-        raise BackendUnavailable(tail.removeprefix("error: "))
-    if done.returncode < 0:
-        death = signal.Signals(-done.returncode).name
-    else:
-        death = f"exit {done.returncode}: {tail}"
-    return finished, starting, death
+            ended.started = msg["starting"]
+        else:
+            ended.finished[msg["case"]["name"]] = msg["case"]
+            ended.started, ended.last = None, msg["case"]["name"]
+    if all(name in ended.finished for name in names):
+        return ended
+    said = (done.stderr.strip().splitlines() or [""])[-1].strip()
+    if ended.started is None and not ended.finished and done.returncode == UNAVAILABLE:
+        raise BackendUnavailable(said.removeprefix("error: ") or f"exit status {UNAVAILABLE}")
+    if done.returncode < 0:  # a signal leaves no last words: its stderr's last line is an earlier case's chatter
+        ended.death = _signal_name(-done.returncode)
+    else:  # an exit with a status usually says why last (an uncaught exception's line, a library's error)
+        ended.death, ended.said = f"exit {done.returncode}", f": {said}" if said else ""
+    return ended
+
+
+def _ours(line: str) -> dict[str, Any] | None:
+    """A line of the child's protocol, or None for anything else on its stdout (a library's output, or a line cut
+    short by the child's death)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict):
+        return None
+    if isinstance(msg.get("starting"), str):
+        return msg
+    case = msg.get("case")
+    if isinstance(case, dict) and case.get("name") in CASES:
+        return msg
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name in Python
+        return f"signal {number}"

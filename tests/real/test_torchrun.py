@@ -39,8 +39,8 @@ def test_scale_up_under_torchrun_agrees_with_the_local_runner(tmp_path):
     # (a correction by one message's latency once made this run fail: docs/real-backend.md, torchrun).
     starts = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()
               if '"process.start"' in line]
-    assert [s["started_as"] for s in starts] == ["torchrun slot"] * 3
-    assert not any("clock_offset_s" in s for s in starts)
+    assert [(s["started_as"], s["clock_offset_s"], s["clock_bound_s"]) for s in starts] == [
+        ("torchrun slot", 0.0, 0.0)] * 3
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only slot 0, which ran the engine, prints a verdict
     result = json.loads(lines[0])

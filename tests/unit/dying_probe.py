@@ -1,6 +1,13 @@
-"""``python -m real_backends.probe`` that kills itself with SIGSEGV when it reaches one case, as real NIXL 1.5.1 once
-did by a race inside ``transfer()``: the case is ``EPSIM_TEST_DIE_IN``, and it dies there as many times as
-``EPSIM_TEST_DEATHS`` says, counted in the file ``EPSIM_TEST_DEATH_COUNT`` across the processes (test_conform.py)."""
+"""``python -m real_backends.probe`` that dies when it reaches one case, as real NIXL 1.5.1 once did by a race inside
+``transfer()`` (tests/unit/test_conform.py).  Set by the environment:
+
+- ``EPSIM_TEST_DIE_IN``: the case; ``EPSIM_TEST_DEATHS``: how many times to die there, counted across processes in
+  the file ``EPSIM_TEST_DEATH_COUNT``;
+- ``EPSIM_TEST_DIE_HOW``: ``segv`` (SIGSEGV, the default) or ``exit5`` (a line on stderr, then exit status 5);
+- ``EPSIM_TEST_DIE_WHERE``: ``case`` (inside the case, the default), ``start`` (a process whose first case it is
+  dies while it starts, before it announces any case), or both, comma-separated;
+- ``EPSIM_TEST_RUN_LOG``: a file that gets the name of every case as it runs.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +19,39 @@ from pathlib import Path
 from real_backends import probe
 
 
-def main() -> int:
-    target, allowed = os.environ["EPSIM_TEST_DIE_IN"], int(os.environ["EPSIM_TEST_DEATHS"])
+def _die() -> None:
     count = Path(os.environ["EPSIM_TEST_DEATH_COUNT"])
-    run_case = probe.run_case
+    deaths = int(count.read_text()) if count.exists() else 0
+    if deaths >= int(os.environ["EPSIM_TEST_DEATHS"]):
+        return
+    count.write_text(str(deaths + 1))
+    if os.environ.get("EPSIM_TEST_DIE_HOW", "segv") == "exit5":
+        print("[host:1234] boom", file=sys.stderr, flush=True)
+        os._exit(5)
+    os.kill(os.getpid(), signal.SIGSEGV)
 
-    def dying(name: str, *args, **kwargs):
-        if name == target:
-            deaths = int(count.read_text()) if count.exists() else 0
-            if deaths < allowed:
-                count.write_text(str(deaths + 1))
-                os.kill(os.getpid(), signal.SIGSEGV)
+
+def main() -> int:
+    target = os.environ["EPSIM_TEST_DIE_IN"]
+    where = set(os.environ.get("EPSIM_TEST_DIE_WHERE", "case").split(","))
+    log = os.environ.get("EPSIM_TEST_RUN_LOG")
+    run_case, make_backend = probe.run_case, probe.make_backend
+    first = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else None
+
+    def dying_case(name: str, *args, **kwargs):
+        if log:
+            with open(log, "a") as f:
+                f.write(name + "\n")
+        if "case" in where and name == target:
+            _die()
         return run_case(name, *args, **kwargs)
 
-    probe.run_case = dying
+    def dying_start(*args, **kwargs):
+        if "start" in where and first == target:
+            _die()
+        return make_backend(*args, **kwargs)
+
+    probe.run_case, probe.make_backend = dying_case, dying_start
     return probe.main()
 
 
