@@ -62,7 +62,8 @@ def clock_domain() -> str | None:
     return f"{boot}/{namespace}"
 
 
-def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS) -> tuple[float, float]:
+def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS,
+                         timeout_s: float = HELLO_TIMEOUT_S) -> tuple[float, float]:
     """(offset, bound) of the slot on ``conn``: its monotonic clock plus offset is this process's, within bound.
 
     Each round asks for the slot's clock and times the round trip; the reading was taken somewhere inside it, so the
@@ -72,7 +73,7 @@ def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS) -> tuple[
     for _ in range(rounds):
         sent = time.monotonic()
         conn.send(("clock?",))
-        if not conn.poll(HELLO_TIMEOUT_S):
+        if not conn.poll(timeout_s):
             raise TimeoutError("the slot did not answer a clock request")
         theirs = conn.recv()[1]
         back = time.monotonic()
@@ -83,12 +84,13 @@ def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS) -> tuple[
     return best
 
 
-def place_clock(conn: Connection, info: dict[str, Any]) -> None:
-    """Put the slot's ``clock_offset`` and ``clock_bound`` (seconds) in ``info``, the slot's hello."""
+def place_clock(conn: Connection, info: dict[str, Any], timeout_s: float = HELLO_TIMEOUT_S) -> None:
+    """Put the slot's ``clock_offset`` and ``clock_bound`` (seconds) in ``info``, the slot's hello (``timeout_s``:
+    for each answer to a clock request)."""
     if info.get("clock_domain") is not None and info["clock_domain"] == clock_domain():
         info["clock_offset"], info["clock_bound"] = 0.0, 0.0  # the same clock: nothing to correct
     else:
-        info["clock_offset"], info["clock_bound"] = measure_clock_offset(conn)
+        info["clock_offset"], info["clock_bound"] = measure_clock_offset(conn, timeout_s=timeout_s)
 
 
 def answer_clock(conn: Connection, clock: Callable[[], float] = time.monotonic) -> Any:
@@ -102,6 +104,24 @@ def answer_clock(conn: Connection, clock: Callable[[], float] = time.monotonic) 
         if msg[0] != "clock?":
             return msg
         conn.send(("clock", clock()))
+
+
+def receive_hello(conn: Connection, timeout_s: float = HELLO_TIMEOUT_S) -> dict[str, Any] | None:
+    """A slot's hello, with its clock placed on this one (:func:`place_clock`); ``timeout_s`` for the hello and for
+    each answer to a clock request.  None for a slot that dies or stalls before it is placed (dropped, as one that
+    fails the challenge).  A slot of an epsim older than the clock scheme would have its events shifted by a
+    message's latency (docs/real-backend.md): refused in one line."""
+    try:
+        if not conn.poll(timeout_s):
+            raise TimeoutError("no hello")
+        info = conn.recv()
+        if "clock_domain" not in info:
+            raise ScenarioError(f"torchrun slot {info.get('rank')} runs another version of epsim (its hello has no "
+                                "clock domain); start every slot from the same epsim")
+        place_clock(conn, info, timeout_s)
+    except (EOFError, OSError, TimeoutError):
+        return None
+    return info
 
 
 class _Child:
@@ -460,15 +480,8 @@ class TorchrunLauncher:
             except Exception:  # noqa: BLE001 - not one of ours: drop it and go on waiting
                 conn.close()
                 continue
-            try:  # a slot that dies or stalls before it is placed is dropped, as one that fails the challenge
-                if not conn.poll(HELLO_TIMEOUT_S):
-                    raise TimeoutError("no hello")
-                info = conn.recv()
-                if "clock_domain" not in info:
-                    raise ScenarioError(f"torchrun slot {info.get('rank')} runs another version of epsim (its hello "
-                                        "has no clock domain); start every slot from the same epsim")
-                place_clock(conn, info)
-            except (EOFError, OSError, TimeoutError):
+            info = receive_hello(conn)
+            if info is None:
                 conn.close()
                 continue
             slots.append((conn, info))

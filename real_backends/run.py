@@ -15,6 +15,7 @@ from .cluster import RealCluster
 from .launch import LocalLauncher
 from .nixl_real import require_real
 from .judge import judge
+from .ordering import clock_sensitivity
 
 
 def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
@@ -46,6 +47,13 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     # environment): [0] is vLLM's busy loop; more than one value only when torchrun slots on other hosts differ.
     result.metrics["nixl_progress_delay_us"] = sorted({f["progress_delay_us"] for _, _, _, kind, f in cluster.events
                                                       if kind == "nixl.config"})
+    # Slots on other hosts are on slot 0's clock only to within a bound: say how far, and whether the verdict
+    # would change under another placement within it (neither key when every process read slot 0's clock).
+    bounds = {pid: w.clock_bound for pid, w in cluster.workers.items() if w.clock_bound > 0}
+    if bounds:
+        result.metrics["clock_bound_s"] = max(bounds.values())
+        result.metrics["clock_sensitive"] = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed,
+                                                              stuck=cluster.stuck, bounds=bounds)
     if out is not None:
         write_run_files(out, {"history.jsonl": history.write_jsonl,
                               "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),

@@ -129,6 +129,13 @@ def summary(r: Result, again: str | None = None) -> str:
     if any(m.get("nixl_progress_delay_us", ())):
         lines.append(f"NIXL progress threads: poll timeout {', '.join(map(str, m['nixl_progress_delay_us']))} us "
                      f"(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
+    if "clock_bound_s" in m:
+        bound = f"slots on other hosts are on slot 0's clock to within {m['clock_bound_s'] * 1e3:.3f} ms"
+        lines.append(f"{bound}; the verdict holds at either end of every bound" if not m["clock_sensitive"] else
+                     f"{bound}; the verdict DEPENDS on that placement: with "
+                     + "; with ".join(m["clock_sensitive"][:3])
+                     + (f"; and {len(m['clock_sensitive']) - 3} more (metrics.clock_sensitive)"
+                        if len(m["clock_sensitive"]) > 3 else ""))
     if again is not None:
         lines.append(f"determinism: rerun in a fresh process gave {again} "
                      + ("(same)" if again == r.trace_hash else "(DIFFERENT)"))

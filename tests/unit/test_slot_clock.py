@@ -14,7 +14,10 @@ import threading
 import time
 from multiprocessing import Pipe
 
-from real_backends.launch import answer_clock, clock_domain, measure_clock_offset, place_clock
+import pytest
+
+from real_backends.launch import answer_clock, clock_domain, measure_clock_offset, place_clock, receive_hello
+from sim.errors import ScenarioError
 
 
 def test_processes_of_one_kernel_share_a_clock_domain():
@@ -83,3 +86,37 @@ def test_a_closed_connection_ends_the_slot_s_wait():
     ours, theirs = Pipe()
     ours.close()
     assert answer_clock(theirs) is None
+
+
+def test_a_hello_is_received_and_placed():
+    ours, theirs = Pipe()
+    answered: list = []
+    theirs.send({"rank": 3, "host": "h", "clock_domain": clock_domain()})
+    slot = threading.Thread(target=_slot, args=(theirs, time.monotonic, answered))
+    slot.start()
+    info = receive_hello(ours, timeout_s=10)
+    ours.send(("done",))
+    slot.join(10)
+    assert info == {"rank": 3, "host": "h", "clock_domain": clock_domain(), "clock_offset": 0.0, "clock_bound": 0.0}
+
+
+def test_a_slot_of_an_older_epsim_is_refused_in_one_line():
+    """Its hello has no clock domain: it cannot answer clock requests, and placing it by its hello's latency is what
+    gave the false verdicts this scheme replaced."""
+    ours, theirs = Pipe()
+    theirs.send({"rank": 2, "local_rank": 0, "host": "h", "os_pid": 1})
+    with pytest.raises(ScenarioError, match=r"^torchrun slot 2 runs another version of epsim .*same epsim$"):
+        receive_hello(ours, timeout_s=10)
+
+
+@pytest.mark.parametrize("how", ["closes before its hello", "stalls before its hello", "dies during the rounds",
+                                 "stalls during the rounds"])
+def test_a_slot_that_dies_or_stalls_before_it_is_placed_is_dropped(how):
+    ours, theirs = Pipe()
+    if "rounds" in how:  # on another kernel, so the rounds are needed
+        theirs.send({"rank": 1, "host": "elsewhere", "clock_domain": "another-boot/time:[1]"})
+    if "dies" in how or "closes" in how:
+        theirs.close()
+    started = time.monotonic()
+    assert receive_hello(ours, timeout_s=0.2) is None
+    assert time.monotonic() - started < 5
