@@ -101,6 +101,8 @@ class RankProcess:
         info = getattr(self.proc, "info", {})
         self.clock_offset = float(info.get("clock_offset", 0.0))
         self.clock_bound = float(info.get("clock_bound", 0.0))
+        # the processes of one host read one clock, placed once (a slot that cannot name its clock is one alone)
+        self.clock = info.get("clock_domain") or f"pid {pid}"
         self.reader = threading.Thread(target=self._read, name=f"reader@{pid}", daemon=True)
         self.reader.start()
 

@@ -17,7 +17,8 @@ nothing here forces loopback.
 A slot's events are stamped with its host's monotonic clock. A slot on slot 0's kernel (same boot, same time
 namespace) reads the very same clock, so its events need no correction; one elsewhere is put on slot 0's clock with
 an offset measured at connect by a few request-reply rounds, the round with the shortest round trip giving the
-estimate and half that round trip its bound. (Taking one one-way message's latency as the offset, as epsim first
+estimate and half that round trip its bound; the slots of one other host share the tightest of their placements, as
+they share a clock. (Taking one one-way message's latency as the offset, as epsim first
 did, shifted the ranks of one host apart by however long a loaded host took to deliver that message: a few
 milliseconds on this 2-core VM, enough for the judge to see a peer's READ land after its source was destroyed.)
 """
@@ -29,6 +30,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -122,6 +124,30 @@ def receive_hello(conn: Connection, timeout_s: float = HELLO_TIMEOUT_S) -> dict[
     except (EOFError, OSError, TimeoutError):
         return None
     return info
+
+
+def share_clocks(infos: list[dict[str, Any]]) -> None:
+    """The slots of one other host read one clock: give them all the placement measured most tightly among them,
+    so that their events keep the order they had on that clock (placed one by one, two of them could be pulled
+    apart by the sum of their bounds, the error this scheme exists to avoid)."""
+    best: dict[str, dict[str, Any]] = {}
+    for info in infos:
+        domain = info.get("clock_domain")
+        if domain is not None and info["clock_bound"] > 0 and (
+                domain not in best or info["clock_bound"] < best[domain]["clock_bound"]):
+            best[domain] = info
+    for info in infos:
+        chosen = best.get(info.get("clock_domain"))
+        if chosen is not None:
+            info["clock_offset"], info["clock_bound"] = chosen["clock_offset"], chosen["clock_bound"]
+
+
+def _recv_timeout(endpoint: Any, seconds: float | None) -> None:
+    """Make a blocking receive on ``endpoint`` (a socket, or a Connection over one) fail after ``seconds`` instead
+    of waiting for ever (None: wait for ever again), for the handshake of a connection not yet known to be ours."""
+    sec, usec = (0, 0) if seconds is None else divmod(max(1, round(seconds * 1e6)), 1_000_000)  # (0, 0): no limit
+    with socket.socket(fileno=os.dup(endpoint.fileno())) as dup:  # the same socket: its options are shared
+        dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
 
 
 class _Child:
@@ -463,16 +489,18 @@ class TorchrunLauncher:
         # Slot 0 is this process's job too: a child connects like every other slot.
         self._own = subprocess.Popen([sys.executable, "-m", "real_backends.launch"],
                                      env=dict(child_env(), EPSIM_SLOT_OF="0"))
-        slots = []
+        # Each accepted slot goes into _free at once, so that close() tells it to end whatever happens next.
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-        while len(slots) < self.world:
+        while len(self._free) < self.world:
             self._listener.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 sock, _ = self._listener.accept()
             except (socket.timeout, OSError):
-                raise ScenarioError(f"only {len(slots)} of {self.world} torchrun slots connected to "
+                raise ScenarioError(f"only {len(self._free)} of {self.world} torchrun slots connected to "
                                     f"{address[0]}:{address[1]} within {ACCEPT_TIMEOUT_S:g} s") from None
             sock.settimeout(None)
+            wait_s = min(HELLO_TIMEOUT_S, max(0.1, deadline - time.monotonic()))
+            _recv_timeout(sock, wait_s)  # a connection that never answers the challenge cannot hold the wait
             conn = Connection(sock.detach())
             try:  # the shared key's challenge before anything is unpickled from the network
                 deliver_challenge(conn, key)
@@ -480,12 +508,19 @@ class TorchrunLauncher:
             except Exception:  # noqa: BLE001 - not one of ours: drop it and go on waiting
                 conn.close()
                 continue
-            info = receive_hello(conn)
-            if info is None:
+            try:
+                info = receive_hello(conn, wait_s)
+            except ScenarioError:
                 conn.close()
-                continue
-            slots.append((conn, info))
-        self._free = sorted(slots, key=lambda s: s[1]["rank"])
+                raise
+            if info is None:  # one of ours (it had the key), so the job cannot have all its slots
+                conn.close()
+                raise ScenarioError(f"a torchrun slot connected and then died or did not place its clock within "
+                                    f"{wait_s:g} s ({len(self._free)} of {self.world} placed); see its output")
+            _recv_timeout(conn, None)
+            self._free.append((conn, info))
+        slots = self._free = sorted(self._free, key=lambda s: s[1]["rank"])
+        share_clocks([info for _, info in slots])
         hosts = {info["host"] for _, info in slots}
         if self.ranks_per_host is not None and scenario.peak_ranks() > self.ranks_per_host * len(hosts):
             raise ScenarioError(f"the scenario runs up to {scenario.peak_ranks()} ranks at once; {len(hosts)} "
@@ -517,6 +552,7 @@ class TorchrunLauncher:
                             "torchrun on more hosts")
 
     def close(self) -> None:
+        placed = {info["os_pid"] for _, info in self._free} | {slot.pid for slot in self._started}
         for conn, _ in self._free:
             try:
                 conn.send(("done",))
@@ -527,10 +563,13 @@ class TorchrunLauncher:
         if self._listener is not None:
             self._listener.close()
         if self._own is not None:
+            # Slot 0's own slot ends once told so (or once its rank ends); one the wait never placed (it failed
+            # first) would keep trying to connect to a closed listener until its own deadline.
             try:
-                self._own.wait(30)
+                self._own.wait(30 if self._own.pid in placed else 0)
             except subprocess.TimeoutExpired:
                 self._own.kill()
+                self._own.wait()
 
 
 def serve_slot() -> int:

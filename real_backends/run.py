@@ -49,11 +49,13 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
                                                       if kind == "nixl.config"})
     # Slots on other hosts are on slot 0's clock only to within a bound: say how far, and whether the verdict
     # would change under another placement within it (neither key when every process read slot 0's clock).
-    bounds = {pid: w.clock_bound for pid, w in cluster.workers.items() if w.clock_bound > 0}
-    if bounds:
-        result.metrics["clock_bound_s"] = max(bounds.values())
-        result.metrics["clock_sensitive"] = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed,
-                                                              stuck=cluster.stuck, bounds=bounds)
+    clocks = {pid: (w.clock, w.clock_bound) for pid, w in cluster.workers.items() if w.clock_bound > 0}
+    if clocks:
+        found = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck,
+                                  clocks=clocks)
+        result.metrics["clock_bound_s"] = max(bound for _, bound in clocks.values())
+        result.metrics["clock_sensitive"] = found.changed
+        result.metrics["clock_placements"] = [found.tried, found.placements]  # judged, of those that reorder
     if out is not None:
         write_run_files(out, {"history.jsonl": history.write_jsonl,
                               "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),

@@ -130,13 +130,23 @@ def summary(r: Result, again: str | None = None) -> str:
         lines.append(f"NIXL progress threads: poll timeout {', '.join(map(str, m['nixl_progress_delay_us']))} us "
                      f"(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
     if "clock_bound_s" in m:
-        bound = f"slots on other hosts are on slot 0's clock to within {m['clock_bound_s'] * 1e3:.3f} ms"
-        lines.append(f"{bound}; the verdict holds at either end of every bound" if not m["clock_sensitive"] else
-                     f"{bound}; the verdict DEPENDS on that placement: with "
-                     + "; with ".join(m["clock_sensitive"][:3])
-                     + (f"; and {len(m['clock_sensitive']) - 3} more (metrics.clock_sensitive)"
-                        if len(m["clock_sensitive"]) > 3 else ""))
+        lines.append(_clock_line(m))
     if again is not None:
         lines.append(f"determinism: rerun in a fresh process gave {again} "
                      + ("(same)" if again == r.trace_hash else "(DIFFERENT)"))
     return "\n".join(lines)
+
+
+def _clock_line(m: dict) -> str:
+    """What a real run with slots on other hosts says of its clocks (real_backends/ordering.py)."""
+    line = f"slots on other hosts are on slot 0's clock to within {m['clock_bound_s'] * 1e3:.3f} ms"
+    tried, placements = m.get("clock_placements", (0, 0))
+    if not placements:
+        return f"{line}; no two hosts' checked events lie that close: the verdict does not depend on the placement"
+    of = f"{tried} placements" + (f" (of {placements}: the rest not judged)" if tried < placements else "")
+    changed = m["clock_sensitive"]
+    if not changed:
+        return f"{line}; the verdict holds under each of {of} that reorder the events"
+    shown = "; with ".join(changed[:3]) + (f"; and {len(changed) - 3} more (metrics.clock_sensitive)"
+                                          if len(changed) > 3 else "")
+    return f"{line}; the verdict DEPENDS on that placement ({len(changed)} of {of} change it): with {shown}"

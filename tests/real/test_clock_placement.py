@@ -28,6 +28,11 @@ class FarLauncher(LocalLauncher):
         return conn, proc
 
 
+def up_2_to_3():
+    up = load("scale-up")
+    return with_overrides(up, max_ranks=3, timeline=[up.timeline[0].model_dump(mode="json") | {"to": 3}])
+
+
 @pytest.fixture(autouse=True)
 def _real_nixl():
     real_nixl_or_skip()
@@ -36,11 +41,19 @@ def _real_nixl():
 def test_a_bound_as_wide_as_the_run_puts_the_verdict_in_question():
     """Placed 30 s later, a reader's READs come after the whole run's events of the other ranks; the placements
     within such a bound change the verdict, and the result says so, naming each one."""
-    up = load("scale-up")
-    scenario = with_overrides(up, max_ranks=3, timeline=[up.timeline[0].model_dump(mode="json") | {"to": 3}])
-    result = run_real(scenario, launcher=FarLauncher(30.0))
+    result = run_real(up_2_to_3(), launcher=FarLauncher(30.0))
     assert result.verdict == "pass", result.detail  # as stamped: the ranks share this host's clock
     assert result.metrics["clock_bound_s"] == 30.0
-    assert result.metrics["clock_sensitive"], "no placement within 30 s changed a verdict"
-    assert all(line.startswith("pid ") and "ms: " in line for line in result.metrics["clock_sensitive"])
+    tried, placements = result.metrics["clock_placements"]
+    assert 0 < tried <= placements
+    changed = result.metrics["clock_sensitive"]
+    # e.g. a reader's clock 30 s back puts its READs before its source registered anything
+    assert any(line.startswith("pid ") and line.endswith(": safety (unregistered_access)") for line in changed), changed
     assert "the verdict DEPENDS on that placement" in summary(result)
+
+
+def test_a_bound_far_below_the_run_s_spacing_leaves_the_verdict_standing():
+    result = run_real(up_2_to_3(), launcher=FarLauncher(1e-7))
+    assert result.verdict == "pass", result.detail
+    assert result.metrics["clock_sensitive"] == []
+    assert "the verdict holds" in summary(result) or "does not depend on the placement" in summary(result)
