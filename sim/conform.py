@@ -6,16 +6,20 @@ each case as it starts and ends, so a child that dies costs nothing already obse
 died in run in a fresh child, and the one it died in runs once more on its own.  Real NIXL 1.5.1 has crashed a
 process once in thousands of runs of an ordinary call sequence (docs/nixl-fake.md), so one death is a race to
 report, not the case's behaviour; a case whose process dies twice observes the death (the signal's name), which is
-then judged like any other observation.
+then judged like any other observation.  A child that reports nothing for five minutes (a case that hangs) is killed
+and counts as dying in that case.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,9 @@ from .errors import BackendUnavailable, UnknownName
 BACKENDS = ("fake", "real")
 MEMORIES = ("dram", "vram")
 PROBE = (sys.executable, "-m", "real_backends.probe")
+# The longest one case may take before its child counts as hung: the slowest real cases (a peer killed mid-READ, a
+# progress thread left to time out) take seconds; a GPU host's first CUDA context tens of seconds.
+CASE_TIMEOUT_S = 300.0
 
 
 def validate(backend: str, profile: str | None, memory: str) -> None:
@@ -42,10 +49,11 @@ def validate(backend: str, profile: str | None, memory: str) -> None:
 
 
 def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
-        probe: tuple[str, ...] = PROBE) -> dict[str, Any]:
+        probe: tuple[str, ...] = PROBE, case_timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
     """The catalogue's report (``real_backends.probe.summarise``) with ``notes``: one line per child that died.
 
-    ``probe`` is the child's command line before its arguments (a test gives one that dies on purpose)."""
+    ``probe`` is the child's command line before its arguments (a test gives one that dies on purpose); a child
+    that reports nothing for ``case_timeout_s`` (a case that hangs) is killed, as if it had died in that case."""
     validate(backend, profile, memory)
     chosen = default_profile(profile, memory)
     deadline = time.monotonic() + timeout_s
@@ -56,13 +64,13 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
         left = [name for name in CASES if name not in results]
         # a case that killed its child once runs alone, so a second death is that case's and nothing else's
         batch = left[:1] if left[0] in died_once else left
-        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results))
+        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results), case_timeout_s)
         results.update(child.finished)
         if child.death is None:
             continue
         if child.started is not None:
             victim, where = child.started, "in it"
-        elif not results:  # nothing observed at all: the backend cannot run the catalogue here
+        elif not results and not died_once:  # nothing observed at all: the backend cannot run the catalogue here
             raise BackendUnavailable(f"the conformance run on {backend} NIXL produced no result: "
                                      f"{child.death}{child.said}")
         else:  # before its first case, or between two: counted against the next one, which was never started
@@ -95,39 +103,80 @@ class _Ended:
 
 
 def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names: list[str], deadline: float,
-          timeout_s: float, observed: int) -> _Ended:
-    """Run ``names`` in one child."""
+          timeout_s: float, observed: int, case_timeout_s: float) -> _Ended:
+    """Run ``names`` in one child, reading its cases as it reports them.  A child silent for ``case_timeout_s``
+    (a case that hangs) is killed and reads as a death, like a crash."""
     cmd = [*probe, "--backend", backend, "--profile", profile, "--memory", memory, "--stream"]
     for name in names:
         cmd += ["--case", name]
-    left = deadline - time.monotonic()
+    if deadline - time.monotonic() <= 0:
+        raise _out_of_time(backend, timeout_s, observed)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=die_with_parent)
+    lines: queue.Queue[str | None] = queue.Queue()
+    last_words: deque[str] = deque(maxlen=5)  # its stderr's last lines (the rest is a library's chatter)
+    readers = [threading.Thread(target=_drain, args=(child.stdout, lines.put, True), daemon=True),
+               threading.Thread(target=_drain, args=(child.stderr, last_words.append), daemon=True)]
+    for reader in readers:
+        reader.start()
+    ended, hung = _Ended(), False
+    quiet_until = time.monotonic() + case_timeout_s
     try:
-        if left <= 0:
-            raise subprocess.TimeoutExpired(cmd, timeout_s)
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, preexec_fn=die_with_parent)
-    except subprocess.TimeoutExpired:
-        raise BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s "
-                                 f"({observed} of {len(CASES)} cases observed before the last process)") from None
-    ended = _Ended()
-    for line in done.stdout.splitlines():
-        msg = _ours(line)
-        if msg is None:
-            continue
-        if "starting" in msg:
-            ended.started = msg["starting"]
-        else:
-            ended.finished[msg["case"]["name"]] = msg["case"]
-            ended.started, ended.last = None, msg["case"]["name"]
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise _out_of_time(backend, timeout_s, observed + len(ended.finished))
+            if now >= quiet_until:
+                hung = True
+                break
+            try:
+                line = lines.get(timeout=min(deadline, quiet_until) - now)
+            except queue.Empty:
+                continue
+            if line is None:  # its stdout closed: it ended
+                break
+            msg = _ours(line)
+            if msg is None:
+                continue
+            quiet_until = time.monotonic() + case_timeout_s
+            if "starting" in msg:
+                ended.started = msg["starting"]
+            else:
+                ended.finished[msg["case"]["name"]] = msg["case"]
+                ended.started, ended.last = None, msg["case"]["name"]
+    finally:
+        if child.poll() is None and (hung or time.monotonic() >= deadline):
+            child.kill()
+        child.wait()
+        for reader in readers:
+            reader.join(10)
+    if hung:
+        ended.death = f"no answer within {case_timeout_s:g} s, killed"
+        return ended
     if all(name in ended.finished for name in names):
         return ended
-    said = (done.stderr.strip().splitlines() or [""])[-1].strip()
-    if ended.started is None and not ended.finished and done.returncode == UNAVAILABLE:
+    said = (last_words or [""])[-1].strip()
+    if ended.started is None and not ended.finished and child.returncode == UNAVAILABLE:
         raise BackendUnavailable(said.removeprefix("error: ") or f"exit status {UNAVAILABLE}")
-    if done.returncode < 0:  # a signal leaves no last words: its stderr's last line is an earlier case's chatter
-        ended.death = _signal_name(-done.returncode)
+    if child.returncode < 0:  # a signal leaves no last words: its stderr's last line is an earlier case's chatter
+        ended.death = _signal_name(-child.returncode)
     else:  # an exit with a status usually says why last (an uncaught exception's line, a library's error)
-        ended.death, ended.said = f"exit {done.returncode}", f": {said}" if said else ""
+        ended.death, ended.said = f"exit {child.returncode}", f": {said}" if said else ""
     return ended
+
+
+def _drain(stream, put, eof: bool = False) -> None:
+    """Hand each line of ``stream`` to ``put`` (then None, if ``eof``), until it closes."""
+    for line in stream:
+        put(line.rstrip("\n"))
+    if eof:
+        put(None)
+    stream.close()
+
+
+def _out_of_time(backend: str, timeout_s: float, observed: int) -> BackendUnavailable:
+    return BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s "
+                              f"({observed} of {len(CASES)} cases observed)")
 
 
 def _ours(line: str) -> dict[str, Any] | None:
@@ -141,7 +190,7 @@ def _ours(line: str) -> dict[str, Any] | None:
         return None
     if not isinstance(msg, dict):
         return None
-    if isinstance(msg.get("starting"), str):
+    if isinstance(msg.get("starting"), str) and msg["starting"] in CASES:
         return msg
     case = msg.get("case")
     if isinstance(case, dict) and case.get("name") in CASES:

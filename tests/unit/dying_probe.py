@@ -3,9 +3,11 @@
 
 - ``EPSIM_TEST_DIE_IN``: the case; ``EPSIM_TEST_DEATHS``: how many times to die there, counted across processes in
   the file ``EPSIM_TEST_DEATH_COUNT``;
-- ``EPSIM_TEST_DIE_HOW``: ``segv`` (SIGSEGV, the default) or ``exit5`` (a line on stderr, then exit status 5);
+- ``EPSIM_TEST_DIE_HOW``: ``segv`` (SIGSEGV, the default), ``exit5`` (a line on stderr, then exit status 5) or
+  ``hang`` (never returns);
 - ``EPSIM_TEST_DIE_WHERE``: ``case`` (inside the case, the default), ``start`` (a process whose first case it is
-  dies while it starts, before it announces any case), or both, comma-separated;
+  dies while it starts, before it announces any case), ``start-alone`` (the same, only in a process that runs that
+  case alone), or several, comma-separated;
 - ``EPSIM_TEST_RUN_LOG``: a file that gets the name of every case as it runs.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from real_backends import probe
@@ -25,7 +28,11 @@ def _die() -> None:
     if deaths >= int(os.environ["EPSIM_TEST_DEATHS"]):
         return
     count.write_text(str(deaths + 1))
-    if os.environ.get("EPSIM_TEST_DIE_HOW", "segv") == "exit5":
+    how = os.environ.get("EPSIM_TEST_DIE_HOW", "segv")
+    if how == "hang":  # a case that never returns (a READ that never completes, a deadlock in the library)
+        while True:
+            time.sleep(60)
+    if how == "exit5":
         print("[host:1234] boom", file=sys.stderr, flush=True)
         os._exit(5)
     os.kill(os.getpid(), signal.SIGSEGV)
@@ -47,7 +54,8 @@ def main() -> int:
         return run_case(name, *args, **kwargs)
 
     def dying_start(*args, **kwargs):
-        if "start" in where and first == target:
+        alone = sys.argv.count("--case") == 1
+        if first == target and ("start" in where or "start-alone" in where and alone):
             _die()
         return make_backend(*args, **kwargs)
 

@@ -79,11 +79,32 @@ def test_a_process_that_dies_before_any_case_is_one_error(dies):
         conform.run("fake", None, "dram", probe=DYING)
 
 
+def test_a_case_that_hangs_is_killed_and_counts_as_a_death(dies):
+    dies(2, how="hang")
+    report = conform.run("fake", None, "dram", probe=DYING, case_timeout_s=3)
+    by_name = {c["name"]: c for c in report["cases"]}
+    assert by_name[VICTIM]["observed"] == "no answer within 3 s, killed" and by_name[VICTIM]["outcome"] == "fail"
+    assert all(c["outcome"] == "pass" for name, c in by_name.items() if name != VICTIM)
+    assert report["notes"][0].startswith(f"{VICTIM}: the catalogue's process died in it (no answer within 3 s")
+
+
+def test_the_first_case_dying_again_at_start_is_its_observation_not_an_unavailable_backend(dies):
+    """Found by review: with nothing observed yet, the first case's run-alone process dying while it starts read
+    as a backend that cannot run the catalogue at all."""
+    first = list(CASES)[0]
+    dies(2, victim=first, where="case,start-alone")
+    report = conform.run("fake", None, "dram", probe=DYING)
+    by_name = {c["name"]: c for c in report["cases"]}
+    assert by_name[first]["observed"] == "SIGSEGV" and len(by_name) == len(CASES)
+    assert all(c["outcome"] == "pass" for name, c in by_name.items() if name != first)
+
+
 def test_lines_that_are_not_the_protocol_s_are_ignored():
     assert conform._ours('{"case": {"name": "' + VICTIM + '"}') is None  # cut short by a death
     assert conform._ours('{"level": "info"}') is None and conform._ours("[1] {") is None
     assert conform._ours('{"case": {"name": "not-a-case"}}') is None
     assert conform._ours('{"starting": "' + VICTIM + '"}') == {"starting": VICTIM}
+    assert conform._ours('{"starting": "not-a-case"}') is None and conform._ours('{"starting": ["x"]}') is None
 
 
 def test_a_clean_run_has_no_notes():
