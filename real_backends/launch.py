@@ -110,8 +110,8 @@ def answer_clock(conn: Connection, clock: Callable[[], float] = time.monotonic) 
 
 def receive_hello(conn: Connection, timeout_s: float = HELLO_TIMEOUT_S) -> dict[str, Any] | None:
     """A slot's hello, with its clock placed on this one (:func:`place_clock`); ``timeout_s`` for the hello and for
-    each answer to a clock request.  None for a slot that dies or stalls before it is placed (dropped, as one that
-    fails the challenge).  A slot of an epsim older than the clock scheme would have its events shifted by a
+    each answer to a clock request.  None for a slot that dies or stalls before it is placed (it had the job's key,
+    so the caller fails the wait).  A slot of an epsim older than the clock scheme would have its events shifted by a
     message's latency (docs/real-backend.md): refused in one line."""
     try:
         if not conn.poll(timeout_s):

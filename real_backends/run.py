@@ -48,7 +48,7 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     result.metrics["nixl_progress_delay_us"] = sorted({f["progress_delay_us"] for _, _, _, kind, f in cluster.events
                                                       if kind == "nixl.config"})
     # Slots on other hosts are on slot 0's clock only to within a bound: say how far, and whether the verdict
-    # would change under another placement within it (neither key when every process read slot 0's clock).
+    # would change under another placement within it (none of these keys when every process read slot 0's clock).
     clocks = {pid: (w.clock, w.clock_bound) for pid, w in cluster.workers.items() if w.clock_bound > 0}
     if clocks:
         found = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck,
