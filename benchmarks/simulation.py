@@ -24,7 +24,7 @@ def time_acceleration(quick: bool = False) -> dict[str, Any]:
         label += " (first 15,000 steps)"
     r = _run(sc)
     return {"scenario": label, "sim_time_s": round(r.sim_time_s, 1), "wall_s": r.wall_s, "events": r.events,
-            "transfers": r.metrics.get("transfers", 0), "verdict": r.verdict,
+            "transfers": r.metrics.get("transfers", 0), "verdict": r.verdict, "trace_hash": r.trace_hash,
             "ratio": round(r.sim_time_s / r.wall_s, 1)}
 
 
