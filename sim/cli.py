@@ -511,6 +511,12 @@ def bench(
 
     if device not in ("cpu", "cuda"):
         raise EpsimError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and (not only or "real_transfers" in only):
+        # Up front, in one line: otherwise the figure's peer process dies with torch's traceback on stderr, after
+        # every figure before it was measured.
+        from real_backends.nixl_real import require_real
+
+        require_real(device)
     results = suite.run(quick, only or None, on_figure=progress, device=device)
     if as_json:
         typer.echo(json.dumps(results))

@@ -42,6 +42,21 @@ def test_bench_json_has_a_key_per_figure_with_target_and_verdict() -> None:
     assert bad.returncode == 2 and "figures are kernel_overhead" in bad.stderr
 
 
+def test_bench_on_cuda_without_a_gpu_is_one_line_before_any_figure() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the refusal is for hosts without one")
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--device", "cuda", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["epsim: error: --device cuda needs a CUDA GPU; none is visible here"]
+    # A selection without the transfers figure has no use for the GPU: --device does not stop it.
+    cheap = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--only", "time_to_detect",
+                            "--device", "cuda", "--json"], capture_output=True, text=True, timeout=300)
+    assert cheap.returncode == 0, cheap.stderr
+    assert set(json.loads(cheap.stdout)) == {"quick", "time_to_detect"}
+
+
 def test_sweep_throughput_measures_every_arm_twice_interleaved(monkeypatch) -> None:
     from benchmarks import sweeps
 
