@@ -20,6 +20,7 @@ import torch
 
 import fakes.install
 from fakes.nixl import FakeFabric
+from tests.conftest import REQUIRE_REAL_NIXL, real_nixl_or_skip
 
 try:
     from .eplb_reader import EplbReader
@@ -48,10 +49,14 @@ def client_world(request):
             assert fakes.install.is_fake(api)
             yield "fake"
         return
-    try:
+    real_nixl_or_skip()  # no real NIXL at all: a skip, or a failure under EPSIM_REQUIRE_REAL_NIXL=1 (CI)
+    try:  # the client imports ``nixl._api``, which the ``nixl`` meta package maps to the installed wheel
         api = importlib.import_module("nixl._api")
     except Exception as exc:  # ImportError, or a wheel whose native part does not load here
-        pytest.skip(f"real NIXL not importable: {exc!r}")
+        reason = f"the client imports nixl._api, which does not import here ({exc!r}); install the nixl package"
+        if REQUIRE_REAL_NIXL:
+            pytest.fail(f"EPSIM_REQUIRE_REAL_NIXL=1 but {reason}")
+        pytest.skip(reason)
     assert sys.modules["nixl._api"] is api
     assert not fakes.install.is_fake(sys.modules["nixl._api"]), "the fake NIXL is installed; expected the real one"
     yield "real"
