@@ -47,6 +47,9 @@ def load(path: str | Path) -> Calibration:
     if not str(path).strip():
         raise ScenarioError("--calibration: an empty path; give the JSON file `epsim calibrate --out` wrote")
     p = Path(path)
+    if p.exists() and not p.is_dir() and not p.is_file():
+        # A device or a pipe would be read until memory runs out, or for ever.
+        raise ScenarioError(f"calibration {p}: not a regular file; give the JSON file `epsim calibrate --out` wrote")
     try:
         data: Any = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -56,6 +59,8 @@ def load(path: str | Path) -> Calibration:
                             f"wrote") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ScenarioError(f"calibration {p}: not a JSON file ({exc})") from None
+    except RecursionError:
+        raise ScenarioError(f"calibration {p}: nested too deeply to be a calibration") from None
     try:
         return Calibration.model_validate(data)
     except ValidationError as exc:

@@ -234,15 +234,21 @@ def calibrate(
 
     require_real(device)
     if out is not None:
-        writable_file(out, "--out")
+        _replaceable_calibration(out)
     calibration = cal.measure(device, quick=quick)
+    unwritten = None
     if out is not None:
-        Path(out).write_text(calibration.model_dump_json(indent=2) + "\n")
+        try:
+            _write_replacing(Path(out), calibration.model_dump_json(indent=2) + "\n")
+        except OSError as exc:  # a full disk: the measurement is printed below all the same
+            unwritten = f"--out {out}: could not write the calibration ({exc.strerror or exc}); it is printed above"
     report = {"calibration": calibration.model_dump()}
     if compare:
         report["comparison"] = cal.compare(calibration, device)
     if as_json:
         typer.echo(json.dumps(report))
+        if unwritten:
+            raise BadOutput(unwritten)
         return
     c = calibration
     typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
@@ -253,7 +259,7 @@ def calibrate(
     if c.concurrent_share is not None:
         typer.echo(f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
                    f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
-    if out is not None:
+    if out is not None and not unwritten:
         typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
     if compare:
         cmp = report["comparison"]
@@ -266,6 +272,33 @@ def calibrate(
             typer.echo(f"  INCOMPLETE: {len(cmp['spans'])} of {cmp['spans_simulated']} simulated and "
                        f"{cmp['spans_measured']} measured spans compared"
                        + (f"; the real run: {cmp['real_detail']}" if cmp["real_detail"] else ""))
+    if unwritten:
+        raise BadOutput(unwritten)
+
+
+def _replaceable_calibration(out: str) -> None:
+    """``--out`` of ``epsim calibrate``: a new file, or an earlier calibration to replace; never another file,
+    which a measurement minutes long would otherwise overwrite without a word."""
+    from .calibration import load
+
+    p = writable_file(out, "--out")
+    if p.exists() or p.is_symlink():
+        try:
+            load(p)
+        except ScenarioError:
+            raise BadOutput(f"--out {out}: that file exists and is not an epsim calibration; give a new file name, "
+                            f"or an earlier calibration to replace") from None
+
+
+def _write_replacing(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a file beside it: a write that fails half-way (a full disk) leaves the
+    earlier file as it was."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @app.command()

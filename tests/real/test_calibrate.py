@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -33,8 +34,25 @@ def test_bad_calibration_files_are_one_line_errors(tmp_path):
     (tmp_path / "neg.json").write_text(json.dumps({"xfer_latency_s": -1, "bandwidth_Bps": 1e9}))
     with pytest.raises(ScenarioError, match="xfer_latency_s"):
         load(tmp_path / "neg.json")
+    (tmp_path / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ScenarioError, match="nested too deeply"):
+        load(tmp_path / "deep.json")
+    os.mkfifo(tmp_path / "fifo")  # read for ever, were it read
+    with pytest.raises(ScenarioError, match="not a regular file"):
+        load(tmp_path / "fifo")
     done = epsim_here("run", "steady", "--calibration", str(tmp_path / "missing.json"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "epsim calibrate" in done.stderr
+
+
+def test_calibrate_out_refuses_a_file_that_is_not_a_calibration_before_measuring(tmp_path):
+    real_nixl_or_skip()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious notes\n")
+    done = epsim_here("calibrate", "--quick", "--no-compare", "--out", str(notes))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (f"epsim: error: --out {notes}: that file exists and is not an epsim calibration; "
+                                   f"give a new file name, or an earlier calibration to replace")
+    assert notes.read_text() == "precious notes\n"
 
 
 def test_the_simulation_takes_the_calibrated_times():
@@ -57,6 +75,7 @@ def test_the_simulation_takes_the_calibrated_times():
 def test_calibrate_measures_writes_and_compares(tmp_path):
     real_nixl_or_skip()
     out = tmp_path / "cal.json"
+    out.write_text(Calibration(xfer_latency_s=1.0, bandwidth_Bps=1.0).model_dump_json())  # an earlier one: replaced
     # --quick: every measurement and the comparison, with fewer sizes and repeats (the full run took 70 s of the
     # suite on a 2-core machine; it differs only in those numbers, calibrate.FULL)
     done = epsim("calibrate", "--quick", "--out", str(out), "--json", timeout=600)
@@ -65,7 +84,8 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     cal = load(out)
     assert cal.bandwidth_Bps > 1e8 and cal.collective_latency_s > 0 and cal.process_start_s > 0
     assert cal.concurrent_share is not None and cal.concurrent_share > 0  # recorded, not judged (timing)
-    assert len(cal.points) == 3 and cal.memory == "DRAM" and cal.quick
+    assert len(cal.points) == 3 and cal.memory == "DRAM" and cal.quick and cal.xfer_latency_s < 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json"]  # written through a file beside it
     cmp = report["comparison"]
     assert cmp["sim_verdict"] == cmp["real_verdict"] == "pass"
     assert cmp["complete"] and cmp["spans_simulated"] == cmp["spans_measured"] == len(cmp["spans"])
