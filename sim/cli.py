@@ -123,7 +123,7 @@ def run(
                                                calibration=calibration, ranks_per_host=ranks_per_host)
     except OutputFailed as exc:  # the run finished: its result first, then the one line about its files
         typer.echo(json.dumps(exc.result.to_dict()) if as_json else runner.summary(exc.result, None))
-        raise
+        raise OutputFailed(f"{exc}; the run's result is printed above", exc.result) from None
     payload = result.to_dict()
     if again is not None:
         payload["determinism"] = {"trace_hash_again": again, "same": again == result.trace_hash}

@@ -30,28 +30,28 @@ class OutputFailed(BadOutput):
 
 
 def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], None]], result: Any) -> None:
-    """A run's files into ``out``: each written under a temporary name and then moved over the old one, so a failed
-    write (a full disk) leaves the earlier file whole; the run files this run does not make are removed, so that a
-    folder never mixes two runs (a real run writes no tape).  An error is :class:`OutputFailed`, carrying
-    ``result``."""
+    """A run's files into ``out``: every one written under a temporary name first, and only when all are written
+    moved over the old ones, so a failed write (a full disk) leaves the earlier run's files whole and together; the
+    run files this run does not make are removed, so that a folder never mixes two runs (a real run writes no tape).
+    An error is :class:`OutputFailed`, carrying ``result``."""
     out = Path(out)
-    part = None
+    parts: list[tuple[Path, Path]] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
             part = out / f".{name}.part"
+            parts.append((part, out / name))
             write(part)
-            os.replace(part, out / name)
-            part = None
+        for part, final in parts:  # a rename in one folder needs no space: none of these fails on a full disk
+            os.replace(part, final)
         for name in RUN_FILES:
             if name not in writers:
                 (out / name).unlink(missing_ok=True)
     except OSError as exc:
-        if part is not None:
+        for part, _ in parts:
             with contextlib.suppress(OSError):  # what could not be written may not be removable either
                 part.unlink(missing_ok=True)
-        raise OutputFailed(f"--out {out}: could not write the run's files ({exc.strerror or exc}); the run's "
-                           f"result is printed above", result) from None
+        raise OutputFailed(f"--out {out}: could not write the run's files ({exc.strerror or exc})", result) from None
 
 
 def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES, *, make: bool = True) -> Path:

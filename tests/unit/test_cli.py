@@ -119,19 +119,24 @@ def test_output_paths_name_what_is_wrong(tmp_path) -> None:
 
 def test_a_run_whose_files_cannot_be_written_prints_its_result_then_one_line(tmp_path) -> None:
     """Found by review: a write error after the run (a full disk) lost the verdict in a traceback and exited 1.  Now
-    the result comes first, then one line, exit 2; the files already there stay whole."""
+    the result comes first, then one line, exit 2; the files already there stay whole, and together: none is
+    replaced until every new one is written (found by review: a full disk left the new history beside the earlier
+    run's result)."""
     out = tmp_path / "o"
     assert epsim_here("run", "steady", "--out", str(out)).returncode == 0  # an earlier run's folder
     (out / "history.jsonl").write_text("an earlier run\n")
+    earlier_result = (out / "result.json").read_text()
     (out / "trace.perfetto.json").unlink()
     (out / ".trace.perfetto.json.part").mkdir()  # where the trace is written first: writing it fails
     done = epsim_here("run", "steady", "--out", str(out), "--json")
     assert done.returncode == 2, done.stderr
     assert json.loads(done.stdout)["verdict"] == "pass"
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith(f"epsim: error: --out {out}: could not write the run's files") and "above" in line
-    assert (out / "history.jsonl").read_text() != "an earlier run\n"  # written whole before the failure
-    assert not (out / "trace.perfetto.json").exists()
+    assert line.startswith(f"epsim: error: --out {out}: could not write the run's files")
+    assert line.endswith("; the run's result is printed above")
+    assert (out / "history.jsonl").read_text() == "an earlier run\n"  # the earlier run's, untouched
+    assert (out / "result.json").read_text() == earlier_result
+    assert not (out / ".history.jsonl.part").exists() and not (out / ".result.json.part").exists()
 
 
 def test_run_files_never_mix_two_runs_and_a_bundle_is_not_overwritten(tmp_path) -> None:
