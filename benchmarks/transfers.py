@@ -143,7 +143,8 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
     out: dict[str, Any] = {"package": package, "memory": mem, "devices": [dev_a, dev_b], "sizes": {}}
     # UCX's settings pick the path a READ takes: on a GPU without active NVLinks, cuda_ipc leaves GET zero-copy off
     # unless UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, and the READ falls back to software emulation over TCP (on one H200:
-    # 0.6 GB/s against 21-978 GB/s from 1 to 64 MiB; docs/gpu-validation.md). A figure names the settings it was measured under.
+    # 0.6 GB/s against 21-978 GB/s from 1 to 64 MiB; docs/gpu-validation.md). A figure names the settings it was
+    # measured under.
     out["ucx_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
     try:
         reader = api.nixl_agent("bench-reader", api.nixl_agent_config(backends=["UCX"]))  # failing: the owner ends

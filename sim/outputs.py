@@ -42,7 +42,7 @@ def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], None]],
             part = out / f".{name}.part"
             parts.append((part, out / name))
             write(part)
-        for part, final in parts:  # a rename in one folder needs no space: none of these fails on a full disk
+        for part, final in parts:  # a rename within one folder needs no new space
             os.replace(part, final)
         for name in RUN_FILES:
             if name not in writers:
