@@ -38,6 +38,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Elastic-EP communicator lifecycle testbed."""
 
 
+# A week: what a --timeout can mean. Larger values overflowed the clocks they reach (a thread wait, a gloo store's
+# milliseconds) in a traceback after the run had started (found by review).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 @app.command()
 def conform(
     backend: str = typer.Option("fake", help="fake or real"),
@@ -88,9 +92,9 @@ def run(
     backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real "
                                             "NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
-    timeout: Optional[float] = typer.Option(None, min=0.001, help="real backend: seconds a rank may take to "
-                                                                 "answer one command (default 120; a new rank's "
-                                                                 "start-up has 120 s more)"),
+    timeout: Optional[float] = typer.Option(None, min=0.001, max=MAX_TIMEOUT_S,
+                                            help="real backend: seconds a rank may take to answer one command "
+                                                 "(default 120; a new rank's start-up has 120 s more)"),
     calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
                                                          "`epsim calibrate --out FILE`"),
     ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
@@ -142,7 +146,8 @@ def validate(
     device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM, one process per GPU)"),
     quick: bool = typer.Option(False, "--quick", help="a smaller scenario set (the one CI runs)"),
     catalogue: bool = typer.Option(True, "--catalogue/--no-catalogue", help="run the NIXL behaviour catalogue"),
-    timeout: float = typer.Option(120.0, min=0.001, help="seconds a rank may take to answer one command"),
+    timeout: float = typer.Option(120.0, min=0.001, max=MAX_TIMEOUT_S,
+                                  help="seconds a rank may take to answer one command"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
@@ -362,7 +367,8 @@ def sweep(
     db: str = typer.Option("epsim-results.db", help="SQLite results database"),
     bundles: Optional[str] = typer.Option(None, help="folder for failure bundles (default: next to --db)"),
     resume: bool = typer.Option(False, "--resume", help="skip runs the database already holds"),
-    timeout: Optional[float] = typer.Option(None, min=0.001, help="kill a run after this many wall seconds"),
+    timeout: Optional[float] = typer.Option(None, min=0.001, max=MAX_TIMEOUT_S,
+                                            help="kill a run after this many wall seconds"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""

@@ -205,6 +205,18 @@ def test_bad_run_input_found_by_probing_is_one_line_before_the_run(args, message
     assert len(lines) == 1 and lines[0].startswith("epsim: error: ") and message in lines[0], done.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ("run", "steady", "--backend", "real"), ("sweep", "steady", "--seeds", "0:1"), ("validate", "--quick"),
+])
+def test_a_timeout_past_a_week_is_one_line_before_any_work(command, tmp_path) -> None:
+    """Found by review: 1e10 s overflowed a thread wait or a gloo store's milliseconds in a traceback."""
+    done = epsim_here(*command, "--timeout", "1e10", *(("--db", str(tmp_path / "r.db")) if "sweep" in command else ()))
+    assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
+    assert done.stderr.strip() == ("epsim: error: Invalid value for '--timeout': Input should be less than or equal "
+                                   "to 604800")
+    assert not (tmp_path / "r.db").exists()
+
+
 def test_scenario_files_that_are_not_files_or_too_big_are_one_line(tmp_path) -> None:
     big = tmp_path / "big.yaml"
     big.write_text("# padding\n" * 200_000)
