@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 
 from . import __version__
 from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line
-from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file
+from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file, write_file_replacing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
 
@@ -41,6 +41,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 # A week: what a --timeout can mean. Larger values overflowed the clocks they reach (a thread wait, a gloo store's
 # milliseconds) in a traceback after the run had started (found by review).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 
 @app.command()
 def conform(
@@ -244,7 +245,7 @@ def calibrate(
     unwritten = None
     if out is not None:
         try:
-            _write_replacing(Path(out), calibration.model_dump_json(indent=2) + "\n")
+            write_file_replacing(out, calibration.model_dump_json(indent=2) + "\n")
         except OSError as exc:  # a full disk: the measurement is printed below all the same
             unwritten = f"--out {out}: could not write the calibration ({exc.strerror or exc}); it is printed above"
     report = {"calibration": calibration.model_dump()}
@@ -252,9 +253,14 @@ def calibrate(
         report["comparison"] = cal.compare(calibration, device)
     if as_json:
         typer.echo(json.dumps(report))
-        if unwritten:
-            raise BadOutput(unwritten)
-        return
+    else:
+        _print_calibration(calibration, report.get("comparison"), None if unwritten else out)
+    if unwritten:
+        raise BadOutput(unwritten)
+
+
+def _print_calibration(calibration, cmp: Optional[dict], written: Optional[str]) -> None:
+    """`epsim calibrate`'s readable output: the measurement, the file it went to, and the comparison if one ran."""
     c = calibration
     typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
                f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
@@ -264,10 +270,9 @@ def calibrate(
     if c.concurrent_share is not None:
         typer.echo(f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
                    f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
-    if out is not None and not unwritten:
-        typer.echo(f"written to {out}; use it with `epsim run SCENARIO --calibration {out}`")
-    if compare:
-        cmp = report["comparison"]
+    if written is not None:
+        typer.echo(f"written to {written}; use it with `epsim run SCENARIO --calibration {written}`")
+    if cmp is not None:
         typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1); verdicts: "
                    f"simulated {cmp['sim_verdict']}, real {cmp['real_verdict']}")
         for r in cmp["spans"]:
@@ -277,8 +282,6 @@ def calibrate(
             typer.echo(f"  INCOMPLETE: {len(cmp['spans'])} of {cmp['spans_simulated']} simulated and "
                        f"{cmp['spans_measured']} measured spans compared"
                        + (f"; the real run: {cmp['real_detail']}" if cmp["real_detail"] else ""))
-    if unwritten:
-        raise BadOutput(unwritten)
 
 
 def _replaceable_calibration(out: str) -> None:
@@ -293,17 +296,6 @@ def _replaceable_calibration(out: str) -> None:
         except ScenarioError:
             raise BadOutput(f"--out {out}: that file exists and is not an epsim calibration; give a new file name, "
                             f"or an earlier calibration to replace") from None
-
-
-def _write_replacing(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a file beside it: a write that fails half-way (a full disk) leaves the
-    earlier file as it was."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @app.command()
