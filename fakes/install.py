@@ -1,4 +1,5 @@
-"""Import shims: inside ``with fakes.installed():`` client code's ``import nixl._api`` gets the fake.
+"""Import shims: inside ``with fakes.installed():`` client code's ``import nixl._api`` gets the fake NIXL and
+``import deep_ep`` the fake DeepEP.
 
 Every package name that vLLM, SGLang and Ray import NIXL under is covered: ``nixl`` (the meta package),
 ``nixl_cu12``, ``nixl_cu13``, ``rixl`` (ROCm, older) and ``nixl_rocm`` (ROCm, newer).  Whatever those names meant
@@ -31,8 +32,11 @@ def _package(name: str) -> dict[str, types.ModuleType]:
 
 @contextlib.contextmanager
 def installed(fabric: FakeFabric | None = None) -> Iterator[FakeFabric | None]:
-    """Make the fake NIXL importable under every real name; with ``fabric``, new agents live in it."""
-    shims: dict[str, types.ModuleType] = {}
+    """Make the fake NIXL importable under every real name, and the fake DeepEP as ``deep_ep``; with ``fabric``,
+    new agents live in it."""
+    from . import deep_ep  # imports torch: only when the fakes are installed, not when fakes is imported
+
+    shims: dict[str, types.ModuleType] = {"deep_ep": deep_ep}
     for name in NIXL_PACKAGES:
         shims.update(_package(name))
     saved = {name: sys.modules.get(name) for name in shims}

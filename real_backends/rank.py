@@ -290,7 +290,7 @@ class RealWorker:
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
             if not paced:
-                move.move_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
+                move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 stream)
                 continue
             # As the simulation's worker: the coordinated stop (an all_reduce on the EPLB group), the transfer
@@ -305,7 +305,7 @@ class RealWorker:
                     self.eplb_state.notify_all()
                 self.history("eplb.stopped", layer=layer)
                 break
-            move.transfer_layer(comm, layer, old_idx.tolist(), self.weights[layer], self.buffer, plan, self._rows,
+            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 stream)
             if stream is not None:
                 stream.synchronize("async EPLB: the experts stream after a layer's transfers")

@@ -12,6 +12,8 @@ import math
 import sys
 from typing import Any
 
+import numpy as np
+
 import fakes
 from fakes import torch_dist
 from fakes.nixl import FakeFabric, TimeModel
@@ -55,7 +57,8 @@ class Cluster(Engine):
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
         self.on_progress = on_progress  # called with (step, simulated seconds) between lifecycle events
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
-        plugins.load(strategy)  # a missing or broken strategy is a one-line error before anything starts
+        with fakes.installed():  # a package that imports nixl or deep_ep at top level loads without the real ones
+            plugins.load(strategy)  # a missing or broken strategy is a one-line error before anything starts
         self.kernel = Kernel(seed)
         self.init_engine()
         m = scenario.model
@@ -75,6 +78,7 @@ class Cluster(Engine):
         self.faults = fault_catalogue.FaultPlan(list(faults), self.fabric, self.kernel.history)
         self._cache: dict[Any, Any] = {}
         self.streams: dict[int, device.DeviceStream] = {}  # pid -> its simulated CUDA stream (sim/device.py)
+        self.recvs_planned = 0  # expert receives the rebalances asked of the code under test (see unjudged())
 
     # -- plumbing for the fakes ---------------------------------------------------------------------------------
     def _whoami(self) -> int:
@@ -122,11 +126,15 @@ class Cluster(Engine):
             self._cache[key] = move.plan_all(old, new, layer, mapping)
         return self._cache[key]
 
-    def indices(self, old: Placement, new: Placement, layer: int, mapping) -> tuple[list[int], list[int]]:
+    def indices(self, old: Placement, new: Placement, layer: int, mapping) -> tuple[np.ndarray, np.ndarray]:
+        """vLLM's old and new global expert indices of ``layer`` (int64 arrays, as vLLM hands ``old_indices`` to
+        ``set_transfer_context``); shared by every rank, so read-only."""
         key = ("idx", old, new, layer, _frozen(mapping))
         if key not in self._cache:
-            o, n = move.layer_indices(old, new, layer, mapping)
-            self._cache[key] = (o.tolist(), n.tolist())
+            pair = move.layer_indices(old, new, layer, mapping)
+            for a in pair:
+                a.flags.writeable = False
+            self._cache[key] = pair
         return self._cache[key]
 
     # -- groups and workers ---------------------------------------------------------------------------------------
@@ -271,6 +279,19 @@ class Cluster(Engine):
             self.oracles.stuck(f"the engine did not finish: {engine!r}")
         if not self.oracles.problems:
             self.oracles.after_shutdown()
+
+
+    def unjudged(self) -> str | None:
+        """Why the run cannot be judged, if it cannot: experts moved between ranks, their weights came out right,
+        and not one transfer went through the fake NIXL.  The code under test then moved them through something
+        epsim does not see (a real NIXL bound by a module imported before the fakes were installed), and a
+        ``pass`` would judge nothing."""
+        if self.recvs_planned == 0 or self.oracles.metrics["transfers"] > 0:
+            return None
+        if any(p.invariant == "expert_weights" for p in self.oracles.problems):
+            return None
+        return (f"the code under test received {self.recvs_planned} experts without one transfer through epsim's "
+                f"fake NIXL (did a module of it bind a real NIXL before the fakes were installed?); no verdict")
 
 
 def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

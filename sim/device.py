@@ -93,8 +93,9 @@ def current(streams: dict[int, DeviceStream], kernel) -> DeviceStream | None:
 
 @contextlib.contextmanager
 def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
-    """``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` answer with the running process's simulated
-    stream while the block runs (code outside a simulated process gets torch's own)."""
+    """``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` (and their ``torch.accelerator`` forms) answer
+    with the running process's simulated stream while the block runs (code outside a simulated process gets torch's own)."""
+    import torch
     import torch.cuda as cuda
 
     saved = cuda.current_stream, cuda.synchronize
@@ -111,7 +112,14 @@ def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
             stream.synchronize("torch.cuda.synchronize")
 
     cuda.current_stream, cuda.synchronize = current_stream, synchronize
+    # torch.accelerator is the device-neutral spelling (vLLM's ROCm path synchronises through it).
+    accelerator = getattr(torch, "accelerator", None)
+    saved_acc = (accelerator.current_stream, accelerator.synchronize) if accelerator is not None else None
+    if accelerator is not None:
+        accelerator.current_stream, accelerator.synchronize = current_stream, synchronize
     try:
         yield
     finally:
         cuda.current_stream, cuda.synchronize = saved
+        if saved_acc is not None:
+            accelerator.current_stream, accelerator.synchronize = saved_acc

@@ -17,6 +17,11 @@ class InternalError(Exception):
     exit status 3, and a sweep records an ``error`` row instead of a failure bundle."""
 
 
+class HarnessError(InternalError):
+    """epsim could not judge the run: the code under test did its work outside the fakes (a module of it bound a
+    real library before the fakes were installed).  Exit status 3, as for an internal error: no verdict."""
+
+
 class ScenarioError(EpsimError, ValueError):
     """A scenario file or option is invalid."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import faults as fault_catalogue
 from .cluster import ENGINE_PID, Cluster
-from .errors import InternalError, ScenarioError, exception_line
+from .errors import HarnessError, InternalError, ScenarioError, exception_line
 from .outputs import write_run_files
 
 
@@ -111,6 +111,10 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
                 cluster.kernel.close()
                 raise InternalError(f"epsim's engine failed at {cluster.kernel.now():g} s simulated: "
                                     f"{exception_line(exc)}; a bug in epsim, not in the code under test") from exc
+        unjudged = cluster.unjudged()
+        if unjudged is not None:
+            cluster.kernel.close()
+            raise HarnessError(f"strategy {strategy!r}: {unjudged}")
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
         result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
         result.tape = cluster.kernel.streams.tape.entries  # not a field: replay reads it, --json does not print it

@@ -236,6 +236,7 @@ class Worker:
         for layer in range(old.num_layers):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
+            self.cluster.recvs_planned += len(plan.recvs)
             if not paced:
                 move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                 self.stream)

@@ -12,7 +12,8 @@ Arguments, as in vLLM:
 - ``prev_communicator``: the communicator this one replaces at an elastic reconfiguration (None at start-up).
 
 Data path: ``set_transfer_context(old_indices, layer_idx)`` with ``old_indices`` the layer's global
-physical-to-logical map *before* the move (length ``group.size() * num_local_experts``; -1 for an empty slot);
+physical-to-logical map *before* the move, an int64 ``numpy.ndarray`` as vLLM passes it (length
+``group.size() * num_local_experts``; -1 for an empty slot; read-only: every rank is handed the same array);
 ``add_send(tensors, dst_rank, expert_id)`` and ``add_recv(tensors, src_rank, expert_id)`` for each expert that
 moves (``tensors``: one row per weight tensor: the source rows for a send, the ``expert_buffer`` rows for a recv);
 ``execute()`` completes them all and returns when this rank's receives have landed and every rank is done.
@@ -23,9 +24,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Protocol, Sequence
 
+import numpy as np
+
 
 class EplbCommunicator(ABC):
-    def set_transfer_context(self, old_indices: Sequence[int], layer_idx: int) -> None:  # noqa: B027
+    def set_transfer_context(self, old_indices: np.ndarray, layer_idx: int) -> None:  # noqa: B027
         """Called before the sends and receives of one layer."""
 
     @abstractmethod
