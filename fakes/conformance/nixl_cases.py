@@ -630,6 +630,18 @@ def check_before_post(b: Backend):
     return observe(lambda: bb.check_xfer_state(h))
 
 
+@case([True, False, 2, True, True])
+def handles_are_hashable_and_compare_by_identity(b: Backend):
+    """Observed on 1.5.1: transfer and prepared-list handles are hashable (vLLM waits on a set of them) and equal
+    only to themselves."""
+    a, t = b.agent("A"), b.buf(N)
+    b.reg(a, t)
+    x = a.initialize_xfer("READ", b.descs(a, t), b.descs(a, t), "A")
+    y = a.initialize_xfer("READ", b.descs(a, t), b.descs(a, t), "A")
+    d = a.prep_xfer_dlist("NIXL_INIT_AGENT", b.descs(a, t))
+    return [x == x, x == y, len({x, y, x}), d in {d}, d != x]
+
+
 # -- peers ---------------------------------------------------------------------------------------------------
 @case(["PROC", None, "nixlNotFoundError", "DONE", "nixlNotFoundError", False, None])
 def remove_remote_agent(b: Backend):
@@ -759,6 +771,63 @@ def own_name(b: Backend):
     out.append({k: [m.decode() for m in v] for k, v in got.items()})
     out += [observe(lambda: a.remove_remote_agent("A")), a.check_remote_metadata("A")]
     return out
+
+
+@case(["bytes", None, "DONE", True, "DONE", True, {"B": ["n"]}, [True, True, True], None, False,
+       "nixlNotFoundError"])
+def name_as_bytes(b: Backend):
+    """Observed on 1.5.1: every call that takes a remote agent name takes the bytes that add_remote_agent returned
+    (and a bytearray): pybind11 converts both to the std::string name.  make_connection, a prepared READ, a READ
+    through initialize_xfer, send_notif and check_remote_metadata work with it, and remove_remote_agent with it
+    removes the peer."""
+    a, t = b.agent("A"), b.buf(N, PATTERN)
+    bb, u = b.agent("B"), b.buf(N, 0)
+    b.reg(a, t)
+    b.reg(bb, u)
+    name = bb.add_remote_agent(a.get_agent_metadata())
+    out = [type(name).__name__, observe(lambda: bb.make_connection(name))]
+    local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.descs(bb, u))
+    remote = bb.prep_xfer_dlist(name, b.descs(bb, t))
+    h = bb.make_prepped_xfer("READ", local, [0], remote, [0])
+    bb.transfer(h)
+    out += [_finish(b, bb, h), b.same(t, u)]
+    u.zero_()
+    h2, _ = _read(b, bb, u, t, remote=name)
+    out += [_finish(b, bb, h2), b.same(t, u)]
+    bb.send_notif(name, b"n")
+    out.append({k: [m.decode() for m in v] for k, v in b.wait(a.get_new_notifs).items()})
+    out.append([bb.check_remote_metadata(name), bb.check_remote_metadata(bytearray(name)),
+                bb.check_remote_metadata(name, b.descs(bb, t))])
+    out += [observe(lambda: bb.remove_remote_agent(name)), bb.check_remote_metadata("A"),
+            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A"))]
+    return out
+
+
+@case([[["TypeError"] * 7] * 4, True, ["ok", "nixlNotFoundError"], "DONE", True, ["C", "TypeError"]])
+def agent_name_types(b: Backend):
+    """Observed on 1.5.1: a name that is neither str nor bytes (None, an int, a memoryview), or a str with no UTF-8
+    form, is pybind11's TypeError in every call that takes a remote agent name (and removes nothing).  As bytes,
+    b"" prepares a local list as "" does, b"NIXL_INIT_AGENT" does not (no such peer), the agent's own name is a
+    loopback, and a new agent may be named with bytes; None is no name."""
+    a, t, bb, u = _pair(b)
+    refused = []
+    for bad in (None, 7, memoryview(b"A"), "\udcffA"):
+        refused.append([observe(lambda: bb.make_connection(bad)),
+                        observe(lambda: bb.prep_xfer_dlist(bad, b.descs(bb, t))),
+                        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), bad)),
+                        observe(lambda: bb.send_notif(bad, b"x")),
+                        observe(lambda: bb.check_remote_metadata(bad)),
+                        observe(lambda: bb.remove_remote_agent(bad)),
+                        observe(lambda: bb.fetch_remote_metadata(bad))])
+    local = [observe(lambda: bb.prep_xfer_dlist(b"", b.descs(bb, u)) and "ok"),
+             observe(lambda: bb.prep_xfer_dlist(b"NIXL_INIT_AGENT", b.descs(bb, u)))]
+    v = b.buf(N, 3)
+    b.reg(bb, v)
+    loop = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, v), b"B")
+    bb.transfer(loop)
+    c = b.agent(b"C")
+    return [refused, bb.check_remote_metadata("A"), local, _finish(b, bb, loop), b.same(u, v),
+            [bb.add_remote_agent(c.get_agent_metadata()).decode(), observe(lambda: b.agent(None))]]
 
 
 @case(["nixlNotFoundError", "A", "nixlNotFoundError", "DONE"])
