@@ -48,6 +48,12 @@ class _Handle:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(0x{self._handle:x}, released={self._released})"
 
+    # Equality stays identity, as in 1.5.1.  The hash comes from the handle's value (a fabric counter), not id():
+    # vLLM waits on a set of handles, and the set's order (so a simulation's event order) must not depend on where
+    # the objects lie in memory.  The tuple spreads the values' zero low bits.
+    def __hash__(self) -> int:
+        return hash((self._handle,))
+
     def release(self) -> None:
         if not self._released:
             getattr(self._agent, self._release_call)(self._handle)
