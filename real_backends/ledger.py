@@ -26,6 +26,14 @@ Emit = Callable[..., None]  # emit(kind, **fields)
 _serial = itertools.count()
 
 
+def _name(value: Any) -> str:
+    """An agent name as NIXL reads it: bytes (what add_remote_agent returns, which clients pass on) or a bytearray
+    are the decoded str name.  The ledger records a call after NIXL accepted it, so no other type reaches here."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "surrogateescape")
+    return str(value)
+
+
 def _spans(dlist: Any) -> list[tuple[int, int]]:
     """(address, length) of every descriptor of a real nixlRegDList / nixlXferDList (they do not iterate)."""
     return [(int(d[0]), int(d[1])) for d in (dlist[i] for i in range(dlist.descCount()))]
@@ -40,7 +48,8 @@ class LedgerAgent:
     _live: "weakref.WeakSet[LedgerAgent]" = weakref.WeakSet()
 
     def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
-        self._name, self._conf, self._all = agent_name, nixl_conf, instantiate_all
+        self._given, self._conf, self._all = agent_name, nixl_conf, instantiate_all
+        self._name = _name(agent_name)  # the name the ledger records
         self._registered: list[tuple[Any, Any]] = []  # (descs, mem type) still registered, for restart()
         self._dlists: dict[int, tuple[str, list[tuple[int, int]]]] = {}  # id(handle) -> (agent name, spans)
         self._xfers: dict[int, tuple[str, str, list[tuple[int, int]], list[tuple[int, int]]]] = {}
@@ -53,7 +62,7 @@ class LedgerAgent:
     # -- the real agent, and its replacement under the same name --------------------------------------------------
     def _start(self) -> None:
         self.conn = f"{self._pid}/{next(_serial)}"
-        args = (self._name, self._conf) if self._conf is not None else (self._name,)
+        args = (self._given, self._conf) if self._conf is not None else (self._given,)
         self._inner = type(self)._real(*args, instantiate_all=self._all) if self._all else type(self)._real(*args)
         self._emit("agent.create", conn=self.conn, agent=self._name, pid=self._pid)
 
@@ -78,8 +87,8 @@ class LedgerAgent:
             self._drop_inner()
 
     @property
-    def name(self) -> str:
-        return self._name
+    def name(self) -> Any:
+        return self._given  # as nixl_agent.name: what the caller gave
 
     def __getattr__(self, attr: str) -> Any:
         inner = self.__dict__.get("_inner")
@@ -127,21 +136,23 @@ class LedgerAgent:
     def add_remote_agent(self, metadata: bytes) -> Any:
         self._note_thread()
         name = self._inner.add_remote_agent(metadata)
-        peer = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
-        self._emit("peer.load", conn=self.conn, agent=self._name, pid=self._pid, peer=peer)
+        self._emit("peer.load", conn=self.conn, agent=self._name, pid=self._pid, peer=_name(name))
         return name
 
     def remove_remote_agent(self, agent: str) -> None:
         self._note_thread()
         self._inner.remove_remote_agent(agent)
-        self._emit("peer.remove", conn=self.conn, agent=self._name, pid=self._pid, peer=str(agent))
+        self._emit("peer.remove", conn=self.conn, agent=self._name, pid=self._pid, peer=_name(agent))
 
     # -- transfers ----------------------------------------------------------------------------------------------
     def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Any = None, *args: Any, **kw: Any) -> Any:
         self._note_thread()
         handle = self._inner.prep_xfer_dlist(agent_name, xfer_list, mem_type, *args, **kw)
         descs = xfer_list if hasattr(xfer_list, "descCount") else self._inner.get_xfer_descs(xfer_list, mem_type)
-        target = self._name if agent_name in ("", "NIXL_INIT_AGENT") else str(agent_name)
+        # nixl._api makes "NIXL_INIT_AGENT" and "" local; bytes reach the library as a name, where b"" is local
+        target = _name(agent_name)
+        if target == "" or agent_name == "NIXL_INIT_AGENT":
+            target = self._name
         self._dlists[id(handle)] = (target, _spans(descs))
         return handle
 
@@ -165,7 +176,7 @@ class LedgerAgent:
                         *args: Any, **kw: Any) -> Any:
         self._note_thread()
         handle = self._inner.initialize_xfer(operation, local_descs, remote_descs, remote_agent, *args, **kw)
-        self._xfers[id(handle)] = (str(operation), str(remote_agent), _spans(local_descs), _spans(remote_descs))
+        self._xfers[id(handle)] = (str(operation), _name(remote_agent), _spans(local_descs), _spans(remote_descs))
         return handle
 
     def transfer(self, handle: Any, *args: Any, **kw: Any) -> str:
