@@ -8,6 +8,7 @@ of torch and a distributed runtime.  Nothing of vLLM is stored in this repositor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -20,6 +21,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from sim.errors import UnknownStrategy
 
@@ -99,7 +101,9 @@ def _from_wheel(wheel: Path) -> VllmSource:
     stat = wheel.stat()
     where = cache_dir() / "wheels" / f"{wheel.stem}-{stat.st_size}"
     if not (where / COMMUNICATOR).is_file():
-        _extract(wheel, where)
+        with _locked(where):
+            if not (where / COMMUNICATOR).is_file():
+                _extract(wheel, where)
     return VllmSource(where, _tree_version(where), f"wheel {wheel}")
 
 
@@ -128,8 +132,23 @@ def released() -> VllmSource:
     """vLLM 0.33.0 as released: its wheel's sources, fetched into the cache on first use."""
     where = cache_dir() / f"vllm-{RELEASED}"
     if not (where / COMMUNICATOR).is_file():
-        fetch_released(where)
+        with _locked(where):  # sweep workers and test workers may all ask at once: one fetches
+            if not (where / COMMUNICATOR).is_file():
+                fetch_released(where)
     return VllmSource(where, RELEASED, f"vllm=={RELEASED} (cached in {where})")
+
+
+@contextlib.contextmanager
+def _locked(where: Path) -> Iterator[None]:
+    import fcntl
+
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with open(where.parent / f".{where.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fetch_released(where: Path) -> None:

@@ -27,8 +27,8 @@ def split(name: str) -> tuple[str, str | None]:
 
 def load(name: str, fresh: bool) -> Callable:
     """The factory of a ``vllm`` strategy, over this process's own instance of vLLM's modules."""
-    from sim.eplb.communicators import plugins
+    import importlib
 
     variant, path = split(name)
-    module = plugins.fresh_module_of(VARIANTS[variant]) if fresh else __import__(VARIANTS[variant], fromlist=["_"])
-    return module.configure(path, name)
+    # Each call makes a new process's vLLM (``fresh`` or not: a rank process loads it once).
+    return importlib.import_module(VARIANTS[variant]).configure(path, name)

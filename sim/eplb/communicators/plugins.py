@@ -176,6 +176,3 @@ def _check_signature(name: str, factory: Callable) -> Callable:
     return factory
 
 
-def fresh_module_of(module_name: str):
-    """A new instance of module ``module_name`` (as a built-in strategy's is loaded for each simulated process)."""
-    return _fresh_file(module_name, module_name)

@@ -1,0 +1,179 @@
+"""vLLM's own EPLB communicator (the released 0.33.0 wheel's files, unmodified) under test in the simulation.
+
+The sources come from the package index at test time (``pip download --no-deps vllm==0.33.0``, once, into epsim's
+cache outside the repository); CI sets ``EPSIM_REQUIRE_VLLM=1``, so there a failed fetch fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from sim.errors import UnknownStrategy
+from sim.run import run_scenario
+from sim.scenario import load
+from tests.conftest import epsim_here
+
+REQUIRE_VLLM = os.environ.get("EPSIM_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="module")
+def released():
+    from sim.vllm import source
+
+    try:
+        return source.released()
+    except UnknownStrategy as exc:
+        if REQUIRE_VLLM:
+            pytest.fail(f"EPSIM_REQUIRE_VLLM=1 but {exc}")
+        pytest.skip(str(exc))
+
+
+def run(scenario: str, strategy: str = "vllm", **kw):
+    return run_scenario(load(scenario), strategy=strategy, **kw)
+
+
+@pytest.mark.parametrize("scenario,verdict", [("scale-up", ("pass", None)), ("scale-down", ("pass", None)),
+                                              ("elastic-cycle", ("pass", None)), ("abort", ("safety", "stale_peer"))])
+def test_vllm_0_33_0_verdicts(released, scenario, verdict) -> None:
+    r = run(scenario)
+    assert (r.verdict, r.invariant) == verdict, r.detail
+    assert r.metrics["transfers"] > 0  # vLLM's READs went through the fake NIXL
+    # vLLM 0.33.0 makes an agent per communicator: one per rank at start, one more per surviving rank per PREPARE.
+    assert r.metrics["agents_created"] >= 6
+
+
+def test_an_aborted_prepare_keeps_the_departing_rank_loaded(released) -> None:
+    """0.33.0 loads every peer in the constructor: the prepared (then aborted) communicator already holds the
+    agent of the rank that was to join and left; the built-in model of it defers that, and passes."""
+    r = run("abort")
+    assert "of departed pid 2 loaded after the reconfiguration" in r.detail
+    assert run("abort", strategy="per-communicator-agent").verdict == "pass"
+
+
+def test_rocm_refuses_the_second_agents_registration(released) -> None:
+    r = run("scale-up", profile="rocm-strict")
+    assert (r.verdict, r.invariant) == ("crash", "exception")
+    assert "Failed to initialize NixlEplbCommunicator" in r.detail and "nixlBackendError" in r.detail
+
+
+def test_a_lagging_stream_corrupts_vllm_0_33_0s_weights_on_cuda(released) -> None:
+    """vLLM's NIXL READs do not wait for the stream's copies out of expert_buffer (sim/device.py)."""
+    r = run("scale-up", profile="cuda", faults=["device.stream_lag:delay_s=0.01"])
+    assert (r.verdict, r.invariant) == ("safety", "expert_weights"), r.detail
+    assert run("scale-up", profile="cuda").verdict == "pass"
+
+
+def test_the_seeds_change_on_vllms_class(released) -> None:
+    """vllm+shared-agent: one agent per process for its whole life; the departed peers stay loaded."""
+    up, down = run("scale-up", strategy="vllm+shared-agent"), run("scale-down", strategy="vllm+shared-agent")
+    assert up.verdict == "pass" and up.metrics["agents_created"] == 4
+    assert (down.verdict, down.invariant) == ("safety", "stale_peer")
+    assert down.metrics["duplicate_registrations"] == 0
+
+
+def test_old_indices_reach_the_code_under_test_as_vllm_passes_them(released, monkeypatch) -> None:
+    seen = []
+    from sim.vllm import strategy
+
+    real = strategy.VllmProcess.create
+
+    def spy(self, *args, **kwargs):
+        comm = real(self, *args, **kwargs)
+        inner = comm.set_transfer_context
+
+        def set_transfer_context(old_indices, layer_idx):
+            seen.append(old_indices)
+            return inner(old_indices, layer_idx)
+
+        comm.set_transfer_context = set_transfer_context
+        return comm
+
+    monkeypatch.setattr(strategy.VllmProcess, "create", spy)
+    assert run("steady").verdict == "pass"
+    assert seen and all(isinstance(a, np.ndarray) and a.dtype == np.int64 and not a.flags.writeable for a in seen)
+
+
+def test_every_process_has_its_own_vllm_modules(released) -> None:
+    from sim.vllm import strategy
+
+    first, second = strategy.VllmProcess(None, "vllm"), strategy.VllmProcess(None, "vllm")
+    a, b = first.vllm["vllm.distributed.nixl_utils"], second.vllm["vllm.distributed.nixl_utils"]
+    assert a is not b and a.__file__ == b.__file__ == str(released.root / "vllm/distributed/nixl_utils.py")
+    assert not [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]
+    # vLLM's files as released; only the modules it imports that need a GPU deployment are stood in for.
+    comm = first.vllm["vllm.distributed.eplb.eplb_communicator"]
+    assert comm.__file__.endswith("vllm/distributed/eplb/eplb_communicator.py")
+    assert getattr(first.vllm["vllm.platforms"], "__epsim_standin__", False)
+    assert not getattr(comm, "__epsim_standin__", False)
+
+
+def test_vllm_0_33_0_same_trace_hash_under_any_hash_seed(released) -> None:
+    """vLLM waits on a set of transfer handles: their iteration order must not depend on the interpreter."""
+    hashes = set()
+    for hashseed in ("0", "1", "12345"):
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "run", "abort", "--strategy", "vllm", "--json"],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": hashseed})
+        hashes.add(json.loads(done.stdout)["trace_hash"])
+    assert len(hashes) == 1, hashes
+
+
+def _branch(tmp_path, released, edit) -> str:
+    tree = tmp_path / "vllm-branch"
+    shutil.copytree(released.root / "vllm", tree / "vllm")
+    path = tree / "vllm/distributed/eplb/eplb_communicator.py"
+    path.write_text(edit(path.read_text()))
+    return str(tree)
+
+
+def _first_row(text: str) -> str:
+    """A branch whose add_recv reads every expert from the source's first row."""
+    old = "send_base + src_row * send_stride,"
+    assert old in text
+    return text.replace(old, "send_base,")
+
+
+def test_a_branch_of_vllm_from_a_source_tree_gets_its_own_verdict(tmp_path, released) -> None:
+    tree = _branch(tmp_path, released, _first_row)
+    branch = run("scale-down", strategy=f"vllm:{tree}")
+    assert (branch.verdict, branch.invariant) == ("safety", "expert_weights")
+    assert run("scale-down").verdict == "pass"
+    from sim.vllm import source
+
+    assert source.locate(tree).digest() != released.digest()
+    assert source.locate(tree + "/vllm").root == source.locate(tree).root  # the checkout or its vllm/ folder
+
+
+def test_a_branch_of_vllm_as_a_wheel(tmp_path, released, monkeypatch) -> None:
+    monkeypatch.setenv("EPSIM_CACHE", str(tmp_path / "cache"))
+    tree = _branch(tmp_path, released, _first_row)
+    wheel = tmp_path / "vllm-0.33.1.dev0-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path in sorted((tmp_path / "vllm-branch").rglob("*.py")):
+            zf.write(path, path.relative_to(tmp_path / "vllm-branch").as_posix())
+    r = run("scale-down", strategy=f"vllm:{wheel}")
+    assert (r.verdict, r.invariant) == ("safety", "expert_weights")
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("vllm:/nonexistent/vllm", "no vllm/distributed/eplb/eplb_communicator.py under /nonexistent/vllm"),
+])
+def test_a_bad_vllm_source_is_one_line_exit_2(arg, message) -> None:
+    done = epsim_here("run", "steady", "--strategy", arg)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_branch_that_does_not_import_is_one_line(tmp_path, released) -> None:
+    tree = _branch(tmp_path, released, lambda text: text.replace("import numpy as np\n",
+                                                                  "import numpy as np\nimport not_a_module\n"))
+    done = epsim_here("run", "steady", "--strategy", f"vllm:{tree}")
+    assert done.returncode == 2 and "does not load here: ModuleNotFoundError" in done.stderr
