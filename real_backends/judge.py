@@ -43,7 +43,8 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
         if kind in LEDGER:
             _ledger(oracles, history, by_name, kind, dict(fields))
         elif kind == "thread.crash":
-            history.record(kind, **{k: v for k, v in fields.items() if k != "traceback"})
+            # The traceback and the crash's frames stay out of the history: line numbers are not events.
+            history.record(kind, **{k: v for k, v in fields.items() if k not in ("traceback", "crash")})
             _crash(oracles, history, fields)
         else:
             history.record(kind, **fields)
@@ -91,10 +92,14 @@ def _process_gone(oracles: Oracles, history: History, pid: int) -> None:
 
 
 def _crash(oracles: Oracles, history: History, f: dict[str, Any]) -> None:
+    info = f.get("crash")  # the chain and the frames (sim.crash.describe), sent by the rank as data
     message = f"{f['thread']} (pid {f['pid']}): {f['type']}: {f['error']}"
+    if info and len(info["chain"]) > 1:
+        root = info["chain"][-1]
+        message += f" <- {root['type']}: {root['message']}"
     # Only torch.distributed's own errors: a strategy's exception that merely mentions gloo is a crash, as the
     # simulation (which matches on the exception's type) calls it.
     if f["type"] in COLLECTIVE_ERROR_TYPES and any(mark in f["error"] for mark in COLLECTIVE_FAILURE):
         oracles.problems.append(Problem("liveness", "collective_timeout", message, len(history), history.now()))
     else:
-        oracles.problems.append(Problem("crash", "exception", message, len(history), history.now()))
+        oracles.problems.append(Problem("crash", "exception", message, len(history), history.now(), info))

@@ -445,8 +445,14 @@ class RealWorker:
 
 
 def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:
+    try:  # the chain and the frames as data, as the simulation keeps them (sim/crash.py), for the verdict
+        from sim.crash import describe
+
+        crash = describe(exc, thread, pid)
+    except Exception:  # noqa: BLE001 - the crash is reported all the same, with its traceback's text
+        crash = None
     link.emit("thread.crash", pid=pid, thread=thread, type=type(exc).__name__, error=str(exc).splitlines()[0]
-              if str(exc) else "", traceback="".join(traceback.format_exception(exc))[-4000:])
+              if str(exc) else "", traceback="".join(traceback.format_exception(exc))[-4000:], crash=crash)
     link.send("crash", pid)
 
 

@@ -39,9 +39,11 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
     implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired()
                                            if t - cluster.t0 <= first.t]
     profile = f"real-{device}"
+    crash = first.crash if first is not None else None
     result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                     len(history), history.now(), round(wall, 3), [str(a) for a in armed], cluster.faults.fired(),
-                    dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated))
+                    dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated,
+                                                                 crash), crash=crash)
     result.spans = _spans(cluster.spans, history)
     # Each rank's NIXL progress-thread poll timeout (EPSIM_NIXL_PROGRESS_DELAY_US, read by each rank from its own
     # environment): [0] is vLLM's busy loop; more than one value only when torchrun slots on other hosts differ.

@@ -87,7 +87,10 @@ def _versions() -> dict[str, str]:
 
 
 def slug(signature: str) -> str:
-    """``exception:nixlNotFoundError|shared-agent|gc.late`` -> ``exception_nixlNotFoundError__shared-agent__gc.late``"""
+    """``exception:nixlNotFoundError|shared-agent|gc.late`` -> ``exception_nixlNotFoundError__shared-agent__gc.late``;
+    a crash's root cause and function: ``exception:RuntimeError<-nixlBackendError@Comm.__init__|...`` ->
+    ``exception_RuntimeError-from-nixlBackendError-in-Comm.__init____...``"""
+    signature = signature.replace("<-", "-from-").replace("@", "-in-")
     parts = [p if p != "-" else "nofault" for p in signature.split("|")]
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", "__".join(parts))[:120]
 
@@ -111,7 +114,7 @@ def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faul
                    "steps": sc.steps},
         "outcome": {"verdict": result.verdict, "invariant": result.invariant, "detail": result.detail,
                     "signature": result.signature, "trace_hash": result.trace_hash, "events": result.events,
-                    "implicated": result.implicated},
+                    "implicated": result.implicated, "crash": result.crash},
         "versions": _versions(),
         "replay": f"epsim replay {shlex.quote(str(path))}",
         "run": (f"epsim run {shlex.quote(str(path / 'scenario.yaml'))} --seed {seed} --strategy "
@@ -229,7 +232,9 @@ class Replay:
 
     @property
     def same_signature(self) -> bool:
-        return self.result.signature == self.bundle.expected["signature"]
+        from .run import same_signature
+
+        return same_signature(self.bundle.expected["signature"], self.result.signature)
 
     @property
     def same_trace(self) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 
 from fakes.nixl._spans import SpanIndex
 
-from .errors import exception_line
+from . import crash as crash_mod
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Problem:
     detail: str
     index: int  # position in the history
     t: float = 0.0  # simulated time it was found at
+    crash: dict[str, Any] | None = None  # a crash's exception chain and frames (sim.crash.describe)
 
 
 def spans(pids: list[int]) -> str:
@@ -210,8 +211,10 @@ class Oracles:
         if isinstance(exc, CollectiveTimeout):
             self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index, now))
         else:
-            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {exception_line(exc)}",
-                                         index, now))
+            # The exception still has its traceback: the kernel keeps what escaped each thread as it escaped.
+            info = crash_mod.describe(exc, thread, pid)
+            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {crash_mod.line(info)}",
+                                         index, now, info))
 
     def stuck(self, detail: str) -> None:
         self.problems.append(Problem("liveness", "stuck", detail, len(self.history), self.history.now()))

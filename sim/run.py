@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import crash as crash_mod
 from . import faults as fault_catalogue
 from .cluster import ENGINE_PID, Cluster
 from .errors import HarnessError, InternalError, ScenarioError, exception_line
@@ -39,6 +40,8 @@ class Result:
     signature: str | None = None  # how failures are grouped: invariant, strategy, first implicated fault site
     # [what, start s, end s] of every rebalance and reconfiguration (scale_up, scale_down, abort), in run time
     spans: list[list[Any]] = field(default_factory=list)
+    # A crash's exception chain and the frames of the code under test (sim.crash.describe); None for other verdicts
+    crash: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,25 +141,49 @@ def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     history = cluster.kernel.history
     first = cluster.oracles.first_problem()
     implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired() if t <= first.t]
+    crash = first.crash if first is not None else None
     return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                   len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
                   cluster.faults.fired(), dict(cluster.oracles.metrics), implicated,
-                  signature(verdict, invariant, detail, strategy, implicated))
+                  signature(verdict, invariant, detail, strategy, implicated, crash), crash=crash)
 
 
 _CRASH_TYPE = re.compile(r"\(pid -?\d+\): ([A-Za-z_][\w.]*):")
 
 
 def signature(verdict: str, invariant: str | None, detail: str | None, strategy: str,
-              implicated: list[str]) -> str | None:
-    """``invariant|strategy|first implicated fault site`` (None for a pass).  A crash names its exception type
-    (``exception:nixlNotAllowedError``): two different exceptions are two different bugs."""
+              implicated: list[str], crash: dict[str, Any] | None = None) -> str | None:
+    """``invariant|strategy|first implicated fault site`` (None for a pass).  A crash's first part names its
+    exceptions and where they came from, ``exception:OUTER[<-ROOT][@FUNCTION]``: the type of the exception that
+    escaped, the type of its root cause when it was raised from or while handling another, and the innermost
+    function of the code under test it was raised through (``crash``'s ``origin``, see :mod:`sim.crash`), e.g.
+    ``exception:RuntimeError<-nixlBackendError@NixlEplbCommunicator.__init__``: two different root causes, or one
+    raised in two different places, are two different bugs.  Without ``crash`` (its data did not come), the type
+    named in ``detail``."""
     if verdict == "pass":
         return None
     what = invariant or verdict
     if verdict == "crash":
-        found = _CRASH_TYPE.search(detail or "")
-        if found:
-            what = f"{what}:{found.group(1)}"
+        if crash and crash.get("chain"):
+            what = f"{what}:{crash_mod.signature_part(crash)}"
+        else:
+            found = _CRASH_TYPE.search(detail or "")
+            if found:
+                what = f"{what}:{found.group(1)}"
     site = implicated[0].partition(":")[0] if implicated else "-"
     return f"{what}|{strategy}|{site}"
+
+
+_LEGACY_CRASH = re.compile(r"^(exception:[^|<@]+)[^|]*")
+
+
+def same_signature(expected: str | None, got: str | None) -> bool:
+    """Whether a run's signature ``got`` is the ``expected`` one a bundle or a database stored.  A crash signature
+    stored before signatures named the root cause and the function (``exception:RuntimeError|...``) matches a run
+    whose exception that escaped is of that type, whatever its root cause and function."""
+    if expected == got:
+        return True
+    if not expected or not got or not expected.startswith("exception:"):
+        return False
+    head = expected.partition("|")[0]
+    return "<-" not in head and "@" not in head and _LEGACY_CRASH.sub(r"\1", got) == expected

@@ -119,6 +119,10 @@ def summary(r: Result, again: str | None = None) -> str:
              f"trace {r.trace_hash}: {r.events} events, {r.sim_time_s:.1f} s simulated in {r.wall_s:.2f} s"
              if not r.profile.startswith("real-") else
              f"{r.events} events in {r.wall_s:.2f} s on real rank processes (wall clock: no trace hash to compare)"]
+    if r.verdict == "crash" and r.crash:
+        from .crash import readable
+
+        lines[2:2] = readable(r.crash)  # under the verdict: the exception chain and where it was raised
     if r.faults_armed:
         fired = ", ".join(f"{k} fired {v}x" for k, v in r.faults_fired.items())
         lines.append(f"faults: {fired}")

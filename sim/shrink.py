@@ -111,7 +111,7 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
            on_step: Callable[[str, bool], None] | None = None) -> ShrinkResult:
     """Shrink the bundle at ``path``; the smallest failing configuration is written as a new bundle at ``out``
     (default: the bundle's folder with ``-shrunk`` appended)."""
-    from .run import run_scenario
+    from .run import run_scenario, same_signature
 
     b = bundle_mod.load(path)
     c = b.config
@@ -126,7 +126,7 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
         result.runs += 1
         r = run_scenario(cand.scenario, seed=seed, strategy=strategy, profile=profile, faults=list(cand.faults))
         result.last_signature = r.signature
-        return r.signature == want
+        return same_signature(want, r.signature)
 
     if not fails_the_same(cur):  # no failure to keep: every candidate would be refused, and the bundle is stale
         raise NotReproduced(f"{b.path} no longer fails as {want}: the run gives {result.last_signature}; "

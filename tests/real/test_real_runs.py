@@ -85,7 +85,19 @@ def test_real_faults_are_done_for_real_and_agree(fault):
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"])
     assert real["faults_fired"] == sim["faults_fired"]
     if fault == "peer.restart":  # the restarted agent's peers refuse it, in both worlds with the same error
-        assert real["signature"] == sim["signature"] == "exception:nixlNotFoundError|per-communicator-agent|peer.restart"
+        assert real["signature"] == sim["signature"] == ("exception:nixlNotFoundError@NixlReadCommunicator.add_recv|"
+                                                       "per-communicator-agent|peer.restart")
+
+
+def test_a_real_rank_s_crash_comes_with_its_chain_and_frames_as_the_simulation_s():
+    """The rank process sends the exception chain and its frames as data (sim/crash.py), not only a traceback's
+    text: a wrapped NIXL error gives the same chain, the same frames of the strategy and the same signature."""
+    sim, real = both("steady", "--strategy", "tests.strategies.wrapped_errors:create")
+    assert real["verdict"] == sim["verdict"] == "crash" and real["signature"] == sim["signature"]
+    assert real["crash"]["chain"] == sim["crash"]["chain"]
+    assert real["crash"]["chain"][-1]["type"] == "nixlNotFoundError" and " <- nixlNotFoundError" in real["detail"]
+    code = [(f["file"], f["function"]) for f in real["crash"]["frames"] if f["kind"] == "code"]
+    assert code == [(f["file"], f["function"]) for f in sim["crash"]["frames"]]  # NIXL's own frames: a library
 
 
 def test_a_finalizer_still_running_on_another_thread_is_waited_for_not_a_leak():

@@ -28,10 +28,11 @@ def _bundle(tmp_path: Path, name: str, strategy: str, profile: str, faults: list
 @pytest.mark.parametrize("name, strategy, profile, faults, signature", [
     # per-communicator-agent registers the same pages with a second live agent at every PREPARE: rocm-strict
     # refuses it; elastic-cycle has three elastic events, the failure needs one
-    ("elastic-cycle", PCA, "rocm-strict", NOISE, f"exception:nixlBackendError|{PCA}|-"),
+    ("elastic-cycle", PCA, "rocm-strict", NOISE,
+     f"exception:nixlBackendError@PerAgentNixlCommunicator.__init__|{PCA}|-"),
     # the broken shared-agent's finalizer, run half a second late, deregisters memory a later move still reads
     ("elastic-cycle", BROKEN, "dram", ["gc.late:delay_s=0.5"] + NOISE,
-     f"exception:nixlNotFoundError|{BROKEN}|gc.late"),
+     f"exception:nixlNotFoundError@NixlReadCommunicator.add_recv|{BROKEN}|gc.late"),
 ])
 def test_shrink_keeps_the_signature_with_at_most_three_faults_and_one_elastic_event(
         tmp_path: Path, name, strategy, profile, faults, signature) -> None:

@@ -22,6 +22,8 @@ from sim.scenario import load
 from tests.conftest import epsim, epsim_here
 
 PCA = "per-communicator-agent"
+# its crash under rocm-strict: the second live agent of a process registering the same pages is refused
+PCA_CRASH = f"exception:nixlBackendError@PerAgentNixlCommunicator.__init__|{PCA}|-"
 
 
 def test_plan_is_the_cross_product_with_stable_distinct_keys() -> None:
@@ -55,8 +57,8 @@ def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: P
         crashed = by[(PCA, seed)]
         # the finding of issue 3: two live agents of one process register the same pages at PREPARE; rocm-strict
         # refuses the second registration
-        assert crashed["verdict"] == "crash" and crashed["signature"] == f"exception:nixlBackendError|{PCA}|-"
-    assert out.new_signatures == [f"exception:nixlBackendError|{PCA}|-"] and len(out.bundles) == 1
+        assert crashed["verdict"] == "crash" and crashed["signature"] == PCA_CRASH
+    assert out.new_signatures == [PCA_CRASH] and len(out.bundles) == 1
     b = bundle.load(out.bundles[0])
     assert {"failure.json", "scenario.yaml", "tape.json", "history.jsonl", "trace.perfetto.json"} <= {
         p.name for p in b.path.iterdir()}
@@ -161,7 +163,7 @@ def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_r
     into the folder a killed write left without failure.json (found by review: the row was stored first and the
     folder left as it was, so a signature seen once was never bundled); the database holds absolute paths."""
     specs = sweep_mod.plan("scale-up", range(1), [PCA], ["rocm-strict"])
-    half = tmp_path / "b" / f"{bundle.slug(f'exception:nixlBackendError|{PCA}|-')}-seed0"
+    half = tmp_path / "b" / f"{bundle.slug(PCA_CRASH)}-seed0"
     half.mkdir(parents=True)
     (half / "scenario.yaml").write_text("partial\n")
     monkeypatch.chdir(tmp_path)
