@@ -99,7 +99,10 @@ def _crash(oracles: Oracles, history: History, f: dict[str, Any]) -> None:
         message += f" <- {root['type']}: {root['message']}"
     # Only torch.distributed's own errors: a strategy's exception that merely mentions gloo is a crash, as the
     # simulation (which matches on the exception's type) calls it.
-    if f["type"] in COLLECTIVE_ERROR_TYPES and any(mark in f["error"] for mark in COLLECTIVE_FAILURE):
+    # A wrapper of the code under test around such an error (vLLM's "NIXL EPLB init failed: agents") is the same
+    # failure: the chain's links are checked too.
+    links = [(f["type"], f["error"])] + [(c["type"], c["message"]) for c in (info or {}).get("chain", [])[1:]]
+    if any(t in COLLECTIVE_ERROR_TYPES and any(mark in m for mark in COLLECTIVE_FAILURE) for t, m in links):
         oracles.problems.append(Problem("liveness", "collective_timeout", message, len(history), history.now()))
     else:
         oracles.problems.append(Problem("crash", "exception", message, len(history), history.now(), info))

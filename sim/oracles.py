@@ -210,9 +210,15 @@ class Oracles:
         now = self.history.now()
         if isinstance(exc, CollectiveTimeout):
             self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {exc}", index, now))
+            return
+        # The exception still has its traceback: the kernel keeps what escaped each thread as it escaped.
+        info = crash_mod.describe(exc, thread, pid)
+        if _caused_by(exc, CollectiveTimeout):
+            # A peer that never reached a collective, reported by the code under test in an exception of its own
+            # (vLLM: "NIXL EPLB init failed: agents"): what did not converge is the group, whatever wraps it.
+            self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {crash_mod.line(info)}",
+                                         index, now, info))
         else:
-            # The exception still has its traceback: the kernel keeps what escaped each thread as it escaped.
-            info = crash_mod.describe(exc, thread, pid)
             self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {crash_mod.line(info)}",
                                          index, now, info))
 
@@ -227,3 +233,14 @@ class Oracles:
         if first is None:
             return "pass", None, None
         return first.verdict, first.invariant, first.detail
+
+
+def _caused_by(exc: BaseException, kind: type) -> bool:
+    """Whether ``exc`` or an exception it was raised from (``__cause__``, else ``__context__``) is a ``kind``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

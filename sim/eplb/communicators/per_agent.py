@@ -9,8 +9,13 @@ prepared communicator registers the same pages a second time while the old one i
 never raises) releases transfer handles, deregisters what this communicator registered and forgets every peer.
 
 Data path: receiver-initiated READs.  Remote setup (agent metadata, then per-(layer, tensor) base addresses and
-strides) is deferred to the first ``set_transfer_context`` because the group is stateless (elastic EP); both are
-shared with the other strategies in :mod:`sim.eplb.communicators.nixl_read`.
+strides, two ``all_gather_object`` on the group) runs in the constructor, as in 0.33.0's
+``NixlEplbCommunicator``: so PREPARE is a collective of the new group, and a prepared communicator already holds
+every new peer's agent.  (The other strategies model later revisions, which defer it to the first
+``set_transfer_context``.)  The data path is shared with them in :mod:`sim.eplb.communicators.nixl_read`.
+
+This model agrees with vLLM 0.33.0's own code (``--strategy vllm``) on every cell of the strategy matrix
+(``tests/slow/test_matrix.py`` checks it).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class PerAgentNixlCommunicator(NixlReadCommunicator):
         descs = self.nixl_wrapper.get_reg_descs(tensors, self._mem)
         self.nixl_wrapper.register_memory(descs)
         self._registered_descs = descs
+        # As 0.33.0: every peer's agent and send metadata are loaded here, two collectives on the group, so a
+        # prepared communicator holds the agents of the new group's ranks from PREPARE on.
+        self._init_remote_state()
 
     def __del__(self) -> None:
         agent = getattr(self, "nixl_wrapper", None)
