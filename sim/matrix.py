@@ -14,15 +14,21 @@ from typing import Any, Callable
 from .run import Result, run_scenario
 from .scenario import load, with_overrides
 
-STRATEGIES = ("per-communicator-agent", "arena-registry", "shared-agent")
+STRATEGIES = ("per-communicator-agent", "arena-registry", "shared-agent")  # epsim's built-in models
+# vLLM's own code (the released 0.33.0's files, sim/vllm/), and the same code with the seed's change; each beside
+# the built-in that models it.
+VLLM_STRATEGIES = ("vllm", "vllm+shared-agent")
+MODELLED_BY = {"vllm": "per-communicator-agent", "vllm+shared-agent": "shared-agent"}
+MATRIX_STRATEGIES = (*STRATEGIES, *VLLM_STRATEGIES)
 PROFILES = ("dram", "cuda", "rocm-strict")
 SCENARIOS = ("steady", "scale-up", "scale-down", "elastic-cycle", "abort", "rank-failure")
 GC_FAULTS = ("", "gc.late:delay_s=2", "gc.cycle", "gc.thread", "gc.never")
 SEED = 0
 
 # The DeepEP dimension: all2all backend x NVSHMEM build (rows) against the reconfigurations and faults that
-# decide them (columns), with per-communicator-agent on dram so that only the buffers can fail a run.
-DEEPEP_STRATEGY, DEEPEP_PROFILE = "per-communicator-agent", "dram"
+# decide them (columns), with per-communicator-agent (remote setup deferred, so PREPARE makes no collective of the
+# new group) on dram so that only the buffers can fail a run.
+DEEPEP_STRATEGY, DEEPEP_PROFILE = "per-communicator-agent-deferred", "dram"
 DEEPEP_ROWS = (("deepep_low_latency", "stock"), ("deepep_low_latency", "elastic"), ("deepep_low_latency", "mi355"),
                ("deepep_high_throughput", "stock"))
 DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
@@ -41,7 +47,7 @@ DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
 # strategy: `python -m sim.matrix` runs from the repository root, as CI does).
 STREAM_FAULT, STREAM_PROFILE = "device.stream_lag:delay_s=0.01", "cuda"
 STREAM_SYNCED = "tests.strategies.stream_synced:create"
-STREAM_STRATEGIES = (*STRATEGIES, STREAM_SYNCED)
+STREAM_STRATEGIES = (*MATRIX_STRATEGIES, STREAM_SYNCED)
 
 
 def short(r: Result) -> str:
@@ -84,7 +90,7 @@ class Cell(_Verdict):
     result: Result
 
 
-def run_matrix(scenarios=SCENARIOS, strategies=STRATEGIES, profiles=PROFILES, faults=GC_FAULTS,
+def run_matrix(scenarios=SCENARIOS, strategies=MATRIX_STRATEGIES, profiles=PROFILES, faults=GC_FAULTS,
                eplb_async: bool = False) -> list[Cell]:
     """Every cell's run; ``eplb_async``: with async EPLB (vLLM's default; the built-in scenarios run synchronous)."""
     cells = []
@@ -195,12 +201,19 @@ def why(cell: Cell) -> tuple[str, str]:
     """(cause, example detail) of a failing cell: one sentence on why it fails, and the oracle's words."""
     r = cell.result
     d = r.detail or ""
-    if r.invariant == "stale_peer":
+    if r.invariant == "stale_peer" and cell.scenario == "abort" and cell.strategy in ("per-communicator-agent",
+                                                                                        *VLLM_STRATEGIES):
+        cause = ("vLLM 0.33.0 loads every peer when it builds a communicator (two all_gather_object in the "
+                 "constructor): the aborted PREPARE's communicator, kept until the next PREPARE, still has the rank "
+                 "that was to join loaded after it left")
+    elif r.invariant == "stale_peer":
         cause = {
             "arena-registry": "the arena agent outlives the reconfiguration and nothing removes peers while it has "
                               "users (its remote-name cache only ever grows), so the departed ranks stay loaded",
             "shared-agent": "the one shared agent outlives every communicator and finalizers release only transfer "
                             "handles, so the departed ranks stay loaded",
+            "vllm+shared-agent": "the one shared agent outlives every communicator and finalizers release only "
+                                 "transfer handles, so the departed ranks stay loaded",
         }.get(cell.strategy, "the GC fault keeps the old communicator alive past the reconfiguration, and with it "
                              "an agent that still has the departed ranks loaded: its finalizer, which removes them, "
                              "has not run yet")
@@ -257,8 +270,45 @@ def render(cells: list[Cell]) -> str:
     return "\n".join(out)
 
 
+# Why vLLM's code and the built-in that models it differ, where they do (the scenario decides it).
+DIFFERENCES = {
+    ("vllm+shared-agent", "abort"): "vLLM's class loads every peer when it builds a communicator, and the seed's "
+    "change keeps that; the built-in shared-agent models a later revision that defers it to the first transfer, "
+    "so an aborted PREPARE there leaves nothing loaded",
+}
+
+
+def render_vllm(cells: list[Cell], async_cells: list[Cell] | None = None) -> str:
+    """vLLM's code against its models, cell by cell, with a sentence for each kind of difference."""
+    from .vllm import source
+
+    where = source.released()
+    out = ["## vLLM's own code against the built-in models", "",
+           f"`vllm` is vLLM {where.version}'s `NixlEplbCommunicator`, built by its own `create_eplb_communicator` "
+           f"from the released wheel's files, unmodified (sources digest `{where.digest()}`); `vllm+shared-agent` "
+           "is the same class with the change under review applied as a subclass (`sim/vllm/shared_agent.py`). "
+           "Each is compared with the built-in that models it, over every cell above:", ""]
+    for ours, model in MODELLED_BY.items():
+        mine = {(c.scenario, c.profile, c.fault): c for c in cells if c.strategy == ours}
+        theirs = {(c.scenario, c.profile, c.fault): c for c in cells if c.strategy == model}
+        differ = [k for k in mine if k in theirs and mine[k].short != theirs[k].short]
+        if not differ:
+            out.append(f"- **{ours}** and **{model}** agree on all {len(mine)} cells.")
+            continue
+        out.append(f"- **{ours}** and **{model}** differ on {len(differ)} of {len(mine)} cells:")
+        for scenario in dict.fromkeys(k[0] for k in differ):
+            keys = [k for k in differ if k[0] == scenario]
+            shown = {(mine[k].short, theirs[k].short) for k in keys}
+            said = "; ".join(f"{ours} {a}, {model} {b}" for a, b in sorted(shown))
+            reason = DIFFERENCES.get((ours, scenario), "not explained yet")
+            out.append(f"  - {scenario} ({len(keys)} cells: {said}): {reason}.")
+    out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
-    sys.stdout.write(render(run_matrix()) + "\n" + render_deep_ep(run_deep_ep()) + "\n"
+    cells = run_matrix()
+    sys.stdout.write(render(cells) + "\n" + render_vllm(cells) + "\n" + render_deep_ep(run_deep_ep()) + "\n"
                      + render_stream_lag(run_stream_lag()))
     return 0
 

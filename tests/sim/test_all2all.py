@@ -17,7 +17,7 @@ LL_ELASTIC = {"all2all.backend": "deepep_low_latency", "all2all.nvshmem": "elast
 
 def _run(name: str, seed: int = 0, **overrides):
     return run_scenario(scenario_mod.with_overrides(scenario_mod.load(name), **overrides), seed=seed,
-                        strategy="per-communicator-agent")
+                        strategy="per-communicator-agent-deferred")
 
 
 def test_buffers_follow_the_reconfiguration_and_every_forward_is_checked():
@@ -42,7 +42,7 @@ def test_the_cleanup_races_the_first_forward_even_with_the_elastic_patch():
 
 def test_the_history_shows_buffers_made_on_first_use_and_destroyed_by_the_cleanup_thread(tmp_path):
     sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **LL_ELASTIC)
-    run_scenario(sc, strategy="per-communicator-agent", out=tmp_path)
+    run_scenario(sc, strategy="per-communicator-agent-deferred", out=tmp_path)
     kinds = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     made = [e for e in kinds if e["kind"] == "deep_ep.buffer"]
     assert [e["size"] for e in made] == [2, 2, 4, 4, 4, 4]  # the first group's, then the new group's four
@@ -67,7 +67,7 @@ def test_the_buffers_collectives_run_on_the_ep_group_so_async_eplb_never_pairs_w
             assert (asynchronous.verdict, asynchronous.invariant) == (synchronous.verdict, synchronous.invariant), (
                 backend, name, asynchronous.detail)
     sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **LL_ELASTIC, **{"eplb.use_async": True})
-    run_scenario(sc, strategy="per-communicator-agent", out=tmp_path)
+    run_scenario(sc, strategy="per-communicator-agent-deferred", out=tmp_path)
     records = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     teams = {e["team"] for e in records if e["kind"] == "deep_ep.buffer"}
     assert teams and all("/ep/" in team for team in teams), teams
@@ -152,7 +152,7 @@ def test_prepare_waits_for_the_previous_reconfigurations_cleanup(tmp_path):
     # PREPARE for the scale-down (at 80 s) builds only once that cleanup is done; rank 1 builds at once.
     sc = scenario_mod.with_overrides(scenario_mod.load("elastic-cycle"),
                                      **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
-    run_scenario(sc, strategy="per-communicator-agent", faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"],
+    run_scenario(sc, strategy="per-communicator-agent-deferred", faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"],
                  out=tmp_path)
     events = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     cleanup0 = next(e["t"] for e in events if e["kind"] == "all2all.cleanup" and e["pid"] == 0)

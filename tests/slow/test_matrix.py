@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import (GC_FAULTS, PROFILES, SCENARIOS, STRATEGIES, STREAM_SYNCED, render, render_deep_ep,
-                        render_stream_lag, run_deep_ep, run_matrix, run_stream_lag)
+from sim.matrix import (GC_FAULTS, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STRATEGIES, STREAM_SYNCED,
+                        render, render_deep_ep, render_stream_lag, render_vllm, run_deep_ep, run_matrix,
+                        run_stream_lag)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 
@@ -24,7 +25,7 @@ def cell(cells, scenario, strategy, profile, fault=""):
 
 
 def test_matrix_is_complete(cells) -> None:
-    assert len(cells) == len(SCENARIOS) * len(STRATEGIES) * len(PROFILES) * len(GC_FAULTS)
+    assert len(cells) == len(SCENARIOS) * len(MATRIX_STRATEGIES) * len(PROFILES) * len(GC_FAULTS)
 
 
 def test_async_eplb_gives_every_cell_the_same_verdict(cells) -> None:
@@ -143,7 +144,7 @@ def test_a_lagging_stream_breaks_every_builtin_strategy_everywhere(stream_cells)
     """vLLM's zero-copy data path orders nothing after the stream: with it 10 ms behind, a later layer's expert ends
     up in a row in every scenario, whatever the agent lifecycle."""
     for c in stream_cells:
-        if c.strategy in STRATEGIES:
+        if c.strategy in MATRIX_STRATEGIES:  # vLLM 0.33.0's own code included
             assert (c.result.verdict, c.result.invariant) == ("safety", "expert_weights"), (c.strategy, c.scenario)
             assert "of layer" in c.result.detail
 
@@ -157,5 +158,21 @@ def test_synchronizing_the_stream_leaves_only_shared_agents_own_findings(stream_
 
 
 def test_docs_results_is_current(cells, deep_cells, stream_cells) -> None:
-    expected = render(cells) + "\n" + render_deep_ep(deep_cells) + "\n" + render_stream_lag(stream_cells)
+    expected = render(cells) + "\n" + render_vllm(cells) + "\n" + render_deep_ep(deep_cells) + "\n" \
+        + render_stream_lag(stream_cells)
     assert DOC.read_text() == expected, "docs/results.md is stale: python -m sim.matrix > docs/results.md"
+
+
+def test_vllm_0_33_0s_own_code_agrees_with_its_model_on_every_cell(cells) -> None:
+    """per-communicator-agent is the model of vLLM 0.33.0's NixlEplbCommunicator: the released code, run unmodified,
+    gets the same verdict in every cell."""
+    ours = {(c.scenario, c.profile, c.fault): c.short for c in cells if c.strategy == "vllm"}
+    model = {(c.scenario, c.profile, c.fault): c.short for c in cells if c.strategy == MODELLED_BY["vllm"]}
+    assert ours == model
+
+
+def test_the_seeds_change_on_vllms_code_differs_from_its_model_only_at_abort(cells) -> None:
+    ours = {(c.scenario, c.profile, c.fault): c.short for c in cells if c.strategy == "vllm+shared-agent"}
+    model = {(c.scenario, c.profile, c.fault): c.short for c in cells if c.strategy == "shared-agent"}
+    differ = {k for k in ours if ours[k] != model[k]}
+    assert {k[0] for k in differ} == {"abort"} and all(ours[k] == "safety: stale_peer" for k in differ)

@@ -15,7 +15,8 @@ every new peer's agent.  (The other strategies model later revisions, which defe
 ``set_transfer_context``.)  The data path is shared with them in :mod:`sim.eplb.communicators.nixl_read`.
 
 This model agrees with vLLM 0.33.0's own code (``--strategy vllm``) on every cell of the strategy matrix
-(``tests/slow/test_matrix.py`` checks it).
+(``tests/slow/test_matrix.py`` checks it).  ``per-communicator-agent-deferred`` (:func:`create_deferred`) is the
+same lifecycle with the later revision's deferred remote setup.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from sim.eplb.communicators.nixl_read import NixlReadCommunicator
 class PerAgentNixlCommunicator(NixlReadCommunicator):
     """One NIXL agent per communicator; the agent's lifetime is the communicator's."""
 
+    eager_remote_setup = True  # False: a later revision's deferral to the first set_transfer_context
+
     def __init__(self, group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -45,7 +48,8 @@ class PerAgentNixlCommunicator(NixlReadCommunicator):
         self._registered_descs = descs
         # As 0.33.0: every peer's agent and send metadata are loaded here, two collectives on the group, so a
         # prepared communicator holds the agents of the new group's ranks from PREPARE on.
-        self._init_remote_state()
+        if self.eager_remote_setup:
+            self._init_remote_state()
 
     def __del__(self) -> None:
         agent = getattr(self, "nixl_wrapper", None)
@@ -62,7 +66,20 @@ class PerAgentNixlCommunicator(NixlReadCommunicator):
                     agent.remove_remote_agent(self._remote_agents[rank])
 
 
+class DeferredPerAgentNixlCommunicator(PerAgentNixlCommunicator):
+    eager_remote_setup = False
+
+
 def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
            prev_communicator: EplbCommunicator | None = None) -> PerAgentNixlCommunicator:
     """vLLM 0.33 has no ``prev_communicator``: it is accepted and ignored."""
     return PerAgentNixlCommunicator(group, expert_weights, expert_buffer)
+
+
+def create_deferred(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
+                    prev_communicator: EplbCommunicator | None = None) -> PerAgentNixlCommunicator:
+    """``per-communicator-agent-deferred``: the same lifecycle with remote setup deferred to the first
+    ``set_transfer_context``, as a later vLLM revision does for stateless groups (PREPARE then makes no collective
+    of the new group).  The DeepEP dimension of the matrix runs on it, so that only the buffers' order decides
+    its cells."""
+    return DeferredPerAgentNixlCommunicator(group, expert_weights, expert_buffer)

@@ -15,6 +15,7 @@ from sim.errors import UnknownStrategy
 
 BUILTIN = {
     "per-communicator-agent": "sim.eplb.communicators.per_agent:create",
+    "per-communicator-agent-deferred": "sim.eplb.communicators.per_agent:create_deferred",
     "arena-registry": "sim.eplb.communicators.arena_registry:create",
     "shared-agent": "sim.eplb.communicators.shared_agent:create",
 }
