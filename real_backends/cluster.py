@@ -55,6 +55,7 @@ def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -
                                    "(host-memory copies run when issued)")
 
 
+PREPARE_POLL_S = 5.0  # how long the communicators still building may take before another chunk of serving
 START_ALLOWANCE_S = 120.0  # what a rank process may take to start, on top of --timeout
 SETTLE_S = 0.2  # once a rank is seen dead, how long the others' answers still on their way are waited for
 
@@ -67,7 +68,8 @@ class Handle:
     kind: str
     event: threading.Event = field(default_factory=threading.Event)
     value: Any = None
-    prepared: threading.Event | None = None  # PREPARE only: set when its background thread built the communicator
+    # PREPARE (and a joining rank's standby start) only: set when its background thread built the communicator
+    prepared: threading.Event | None = None
 
 
 class _Clock:
@@ -123,10 +125,12 @@ class RankProcess:
         args = dict(cmd.args)
         gc_faults, extra = self.cluster.choose_faults(self, cmd.kind, args)
         args.update(extra)
-        if cmd.kind == "prepare":
+        if cmd.kind == "prepare" or (cmd.kind == "start" and args.get("standby")):
+            # (a joining rank's start builds in the background as a PREPARE does, and says "prepared" too)
             h.prepared = threading.Event()
             self.prepare = h
-            self.has_prepared, self.has_aborted = True, False
+            if cmd.kind == "prepare":
+                self.has_prepared, self.has_aborted = True, False
         elif cmd.kind == "serve":
             self.load.record(args["loads"], args["steps"])
         elif cmd.kind == "abort":
@@ -274,8 +278,13 @@ class RealCluster(Engine):
             self._pump(left)
 
     def prepared(self, handles: dict[int, Handle]) -> bool:
-        # Serving goes on while PREPARE runs, in chunks of PREPARE_POLL_STEPS steps of the scenario's step time.
-        deadline = time.monotonic() + PREPARE_POLL_STEPS * self.scenario.serving.step_time_s
+        # Serving goes on while PREPARE runs, in chunks of PREPARE_POLL_STEPS steps.  A real chunk takes no time
+        # unless a rebalance is in flight, so the communicators still building after the scenario's prepare_s of
+        # steps are waited for here, up to PREPARE_POLL_S, before another chunk: the steps served then are as many
+        # as the simulation's (where every PREPARE takes prepare_s), however long NIXL agents take to start here.
+        # A chunk is still served after it: a PREPARE that waits for a rebalance in flight (_prepare in rank.py)
+        # needs the steps that take its layers.
+        deadline = time.monotonic() + max(PREPARE_POLL_S, PREPARE_POLL_STEPS * self.scenario.serving.step_time_s)
         while True:
             if all(h.value.is_set() for h in handles.values()):
                 return True

@@ -185,13 +185,26 @@ class RealWorker:
         return th
 
     # -- commands -----------------------------------------------------------------------------------------------
-    def do_start(self) -> None:
+    def do_start(self, standby: bool = False) -> str | None:
         from .groups import open_group
 
+        # The groups first, on this thread (the old ranks' PREPAREs open theirs at once): the parent serves no step
+        # until every process is up and connected, so the steps served while the communicators build are as many
+        # as the simulation's (a new rank's start-up is not part of the scenario's prepare_s).
         self.group = open_group(self.store, self.group_spec, self.cfg.timeout_s)
         self.ep_group = self._open_ep_group(self.group_spec)
+        # standby: a rank joining a scale-up builds in the background while the old group serves (sim/worker.py)
+        if not standby:
+            self._build_first()
+            return None
+        self.run_thread(f"elastic-prepare@{self.pid}", self._build_first, True)
+        return "started"
+
+    def _build_first(self, standby: bool = False) -> None:
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group_spec.name, prev=False)
+        if standby:
+            self.link.send("prepared", self.pid)
 
     def _open_ep_group(self, spec):
         """The generation's EP group (only async EPLB makes collectives on it), opened right after its EPLB group

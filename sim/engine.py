@@ -230,7 +230,10 @@ class Engine:
         rdv = self.new_group(new_members)
         groups = rdv.groups()
         fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
-        joined = {w.pid: w.post(Command("start")) for w in fresh}
+        # A joining rank builds its first communicator in the background too, as its PREPARE (vLLM: PRE_KV_INIT,
+        # then PREPARE on the ElasticEPAsync thread), while the old group serves: a communicator that gathers its
+        # peers' agents in the constructor (vLLM 0.33.0) is done only once the old ranks' PREPAREs build theirs.
+        joined = {w.pid: w.post(Command("start", {"standby": True})) for w in fresh}
         # The step at which PREPARE's window of serving ends and the new communicator is built: the PREPARE's
         # worker faults (storage.move, peer.restart) are decided for that step in both worlds (the simulated
         # PREPARE builds then; the real parent decides them now, and its ranks build at once).
@@ -244,10 +247,11 @@ class Engine:
         # long as a command may take: a PREPARE that never returns is a liveness failure, not an endless run.
         # Serving goes on for at least the scenario's prepare_s in every world, so that a real PREPARE that is
         # done sooner (or was done while new ranks started) serves the steps the simulated one does.
+        building = {**joined, **prepared}
         start, limit = self.now(), self.prepare_limit_s(event.prepare_s)
-        while self.step < least or not self.prepared(prepared):
+        while self.step < least or not self.prepared(building):
             if self.now() - start > limit:
-                self.prepare_never_finished(prepared, limit)
+                self.prepare_never_finished(building, limit)
                 return False
             if not self.serve(PREPARE_POLL_STEPS):
                 return False

@@ -15,8 +15,8 @@ from .run import Result, run_scenario
 from .scenario import load, with_overrides
 
 STRATEGIES = ("per-communicator-agent", "arena-registry", "shared-agent")  # epsim's built-in models
-# vLLM's own code (the released 0.33.0's files, sim/vllm/), and the same code with the seed's change; each beside
-# the built-in that models it.
+# vLLM's own code (the released 0.33.0's files, sim/vllm/), and the same code with the shared-agent change (the
+# simplification of vLLM PR #63134, sim/vllm/shared_agent.py); each beside the built-in that models it.
 VLLM_STRATEGIES = ("vllm", "vllm+shared-agent")
 MODELLED_BY = {"vllm": "per-communicator-agent", "vllm+shared-agent": "shared-agent"}
 MATRIX_STRATEGIES = (*STRATEGIES, *VLLM_STRATEGIES)
@@ -141,9 +141,9 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "forward step, mostly after the cleanup destroyed the old ones, so the count reaches zero first; "
             "stock NVSHMEM then reuses the old world (its size), the elastic patch bootstraps a new one, and "
             "MI355's build refuses to initialise again. The cleanup runs on a background thread while the new "
-            "group serves, so the two race: in elastic-cycle at this seed a rank makes its new buffer before its "
-            "cleanup destroyed the old one, which fails under the patch too (over seeds 0-11, once in elastic-cycle "
-            "and once in scale-down). A late cleanup leaves an old buffer alive, and the new buffer's init only "
+            "group serves, so the two race: where a rank makes its new buffer before its cleanup destroyed the old "
+            "one, the run fails under the patch too; the seeded tie-break decides it (over seeds 0-11, once in "
+            "scale-down, never at this seed), and a cleanup 5 s late makes it happen at every seed. A late cleanup leaves an old buffer alive, and the new buffer's init only "
             "bumps the old world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its "
             "buffers have no strong reference besides the MoE layer's: the survivors' old buffers are dropped at the "
             "switch "
@@ -272,9 +272,9 @@ def render(cells: list[Cell]) -> str:
 
 # Why vLLM's code and the built-in that models it differ, where they do (the scenario decides it).
 DIFFERENCES = {
-    ("vllm+shared-agent", "abort"): "vLLM's class loads every peer when it builds a communicator, and the seed's "
-    "change keeps that; the built-in shared-agent models a later revision that defers it to the first transfer, "
-    "so an aborted PREPARE there leaves nothing loaded",
+    ("vllm+shared-agent", "abort"): "vLLM's class loads every peer when it builds a communicator, and the "
+    "shared-agent change keeps that; the built-in shared-agent models a later revision that defers it to the first "
+    "transfer, so an aborted PREPARE there leaves nothing loaded",
 }
 
 

@@ -110,11 +110,24 @@ class Worker:
         self.kernel.history.record(kind, pid=self.pid, **fields)
 
     # -- commands -----------------------------------------------------------------------------------------------
-    def do_start(self) -> None:
-        """Start-up (or a new rank's PRE_KV_INIT + PREPARE): the first communicator, with no predecessor."""
+    def do_start(self, standby: bool = False) -> Any:
+        """Start-up: the first communicator, with no predecessor.  ``standby``: a rank joining a scale-up, whose
+        PREPARE builds it on the ElasticEPAsync thread while the old group serves (vLLM 0.33.0's communicator
+        gathers every member's agent in its constructor, so it is done only once the old ranks' PREPAREs build
+        theirs); the event it returns fires then, as a PREPARE's does."""
+        if not standby:
+            self._build_first()
+            return None
+        done = self.kernel.env.event()
+        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._build_first, done, pid=self.pid, daemon=True)
+        return done
+
+    def _build_first(self, done: Any = None) -> None:
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group.group_name, prev=False)
         self.a2a = self._manager(self.group)
+        if done is not None:
+            done.succeed()
 
     def _manager(self, group):
         """The all2all manager of ``group``'s generation, on its EP group: vLLM builds the DeepEP buffer on the EP

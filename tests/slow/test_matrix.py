@@ -91,14 +91,11 @@ def test_vllm_flow_fails_on_stock_nvshmem_and_on_the_elastic_patch_only_where_th
         assert "the old world was reused" in stock.detail
         mi355 = deep(deep_cells, "deepep_low_latency", "mi355", scenario)
         assert mi355.verdict == "crash" and "NvshmemError" in mi355.detail
-    for scenario in ("scale-up", "scale-down"):
-        assert deep(deep_cells, "deepep_low_latency", "elastic", scenario).verdict == "pass"
     # The cleanup runs on a background thread while the new group serves (vLLM's _start_group_cleanup), so the two
-    # race even with the patch: in elastic-cycle at the matrix's seed a rank's first forward on the new group makes
-    # its new buffer before its cleanup destroyed the old one (tests/sim/test_all2all.py counts it over seeds).
-    raced = deep(deep_cells, "deepep_low_latency", "elastic", "elastic-cycle")
-    assert (raced.verdict, raced.invariant) == ("liveness", "collective_timeout"), raced.detail
-    assert "a buffer of the old world is still alive" in raced.detail
+    # race even with the patch; at the matrix's seed every cleanup wins (tests/sim/test_all2all.py counts the seeds
+    # that lose it; the next test makes it lose at every seed).
+    for scenario in ("scale-up", "scale-down", "elastic-cycle"):
+        assert deep(deep_cells, "deepep_low_latency", "elastic", scenario).verdict == "pass"
 
 
 def test_old_and_new_buffers_alive_together_fail_even_with_the_patch(deep_cells) -> None:
