@@ -321,8 +321,9 @@ def test_f_a_reallocated_expert_buffer(strategy: str, profile: str, outcome: str
 def test_e_unknown_strategy_lists_the_builtins() -> None:
     with pytest.raises(UnknownStrategy) as info:
         plugins.load("shared_agent")
-    assert str(info.value) == ("strategy 'shared_agent' not found; known: per-communicator-agent, arena-registry, "
-                               "shared-agent, or package.module:factory")
+    assert str(info.value) == ("strategy 'shared_agent' not found; known: per-communicator-agent, "
+                               "per-communicator-agent-deferred, arena-registry, shared-agent, vllm[:PATH], "
+                               "vllm+shared-agent[:PATH], or package.module:factory")
     assert isinstance(info.value, LookupError)
 
 

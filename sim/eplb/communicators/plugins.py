@@ -41,7 +41,8 @@ def resolve(name: str) -> str:
         module, _, factory = name.partition(":")
         if module and factory:
             return name
-    raise UnknownStrategy(f"strategy {name!r} not found; known: {', '.join(BUILTIN)}, or package.module:factory")
+    raise UnknownStrategy(f"strategy {name!r} not found; known: {', '.join(BUILTIN)}, vllm[:PATH], "
+                          "vllm+shared-agent[:PATH], or package.module:factory")
 
 
 # epsim's own packages: a built-in's module is loaded afresh on its own; the package around it holds no per-process
