@@ -102,3 +102,22 @@ def pytest_unconfigure(config) -> None:
     from sim.cli import _quiet_fakes
 
     _quiet_fakes()
+
+
+# CI sets this too: there the package index is reachable, so failing to fetch vLLM's released sources is an error.
+REQUIRE_VLLM = os.environ.get("EPSIM_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="session")
+def released():
+    """vLLM 0.33.0's sources (sim.vllm.source.released): fetched once into epsim's cache with ``pip download``;
+    a skip where the index cannot be reached (a failure under EPSIM_REQUIRE_VLLM=1)."""
+    from sim.errors import UnknownStrategy
+    from sim.vllm import source
+
+    try:
+        return source.released()
+    except UnknownStrategy as exc:
+        if REQUIRE_VLLM:
+            pytest.fail(f"EPSIM_REQUIRE_VLLM=1 but {exc}")
+        pytest.skip(str(exc))

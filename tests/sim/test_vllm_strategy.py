@@ -16,25 +16,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from sim.errors import UnknownStrategy
 from sim.run import run_scenario
 from sim.scenario import load
 from tests.conftest import epsim_here
-
-REQUIRE_VLLM = os.environ.get("EPSIM_REQUIRE_VLLM") == "1"
-
-
-@pytest.fixture(scope="module")
-def released():
-    from sim.vllm import source
-
-    try:
-        return source.released()
-    except UnknownStrategy as exc:
-        if REQUIRE_VLLM:
-            pytest.fail(f"EPSIM_REQUIRE_VLLM=1 but {exc}")
-        pytest.skip(str(exc))
-
 
 def run(scenario: str, strategy: str = "vllm", **kw):
     return run_scenario(load(scenario), strategy=strategy, **kw)
@@ -181,13 +165,31 @@ def test_a_branch_that_does_not_import_is_one_line(tmp_path, released) -> None:
     assert done.returncode == 2 and "does not load here: ModuleNotFoundError" in done.stderr
 
 
-def test_a_peer_that_never_reaches_preparess_collective_is_liveness_however_wrapped(released) -> None:
-    """vLLM wraps the timed-out all_gather_object of its constructor in RuntimeError("NIXL EPLB init failed:
-    agents"); what did not converge is the group, as for the built-in model that lets the timeout escape."""
+def test_peers_late_for_prepares_collective_are_liveness_however_wrapped(released) -> None:
+    """The joining ranks' constructors wait in all_gather_object for the old ranks' PREPAREs, 3 s behind, longer
+    than the group's 1 s timeout.  vLLM wraps the timeout in RuntimeError("NIXL EPLB init failed: agents"); what
+    did not converge is the group, as for the built-in model that lets the timeout escape."""
     from sim.scenario import with_overrides
 
-    sc = with_overrides(load("scale-up"), collective_timeout_s=1)
+    sc = with_overrides(load("scale-up"), collective_timeout_s=1, **{"timeline.0.prepare_s": 3})
     ours, built_in = run_scenario(sc, strategy="vllm"), run_scenario(sc, strategy="per-communicator-agent")
     assert (ours.verdict, ours.invariant) == (built_in.verdict, built_in.invariant) == ("liveness",
                                                                                         "collective_timeout")
     assert "NIXL EPLB init failed: agents" in ours.detail and ours.crash["chain"][-1]["type"] == "CollectiveTimeout"
+
+
+def test_a_sweep_bundle_of_vllms_code_replays(tmp_path, released) -> None:
+    """A failure found in vLLM's code by a sweep (worker processes, each loading vLLM afresh) replays from its
+    bundle with the same signature and trace hash."""
+    from sim import bundle
+    from tests.conftest import epsim
+
+    db, bundles = tmp_path / "r.db", tmp_path / "bundles"
+    done = epsim("sweep", "abort", "--seeds", "0:2", "--strategy", "vllm", "--db", str(db), "--bundles",
+                 str(bundles))
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    found = sorted(p for p in bundles.iterdir() if p.is_dir())
+    assert found, done.stdout
+    replayed = bundle.replay(found[0])
+    assert replayed.reproduced, (replayed.result.signature, replayed.result.trace_hash)
+    assert replayed.result.strategy == "vllm" and replayed.result.invariant == "stale_peer"

@@ -1,0 +1,38 @@
+"""vLLM 0.33.0's own EPLB communicator on real NIXL 1.5.1 processes (CPU), judged as the simulation judges it.
+
+vLLM's code passes the peer names ``add_remote_agent`` returns (bytes in 1.5.1) on to ``prep_xfer_dlist`` and
+``remove_remote_agent``; the real ledger and the fake read them as NIXL does, so both worlds give the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import epsim, epsim_here, real_nixl_or_skip
+
+LEDGER = ("registrations", "duplicate_registrations", "agents_created", "transfers", "bytes_moved")
+
+
+@pytest.fixture(autouse=True)
+def _real_nixl():
+    real_nixl_or_skip()
+
+
+def run(*args: str, backend: str) -> dict:
+    done = (epsim_here if backend == "sim" else epsim)("run", *args, "--backend", backend, "--json")
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("scenario,verdict", [("scale-down", ("pass", None)), ("abort", ("safety", "stale_peer"))])
+def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenario, verdict) -> None:
+    sim = run(scenario, "--strategy", "vllm", backend="sim")
+    real = run(scenario, "--strategy", "vllm", backend="real")
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == verdict, real["detail"]
+    assert real["profile"] == "real-cpu" and real["metrics"]["transfers"] > 0
+    if scenario == "scale-down":  # a whole run: the real ledger counts what the simulation counts
+        assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+    else:  # the departing rank that the aborted communicator keeps loaded is named in both worlds
+        assert "of departed pid 2 loaded after the reconfiguration to pids 0-1" in real["detail"]
