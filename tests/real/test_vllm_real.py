@@ -26,13 +26,18 @@ def run(*args: str, backend: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("scenario,verdict", [("scale-down", ("pass", None)), ("abort", ("safety", "stale_peer"))])
-def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenario, verdict) -> None:
-    sim = run(scenario, "--strategy", "vllm", backend="sim")
-    real = run(scenario, "--strategy", "vllm", backend="real")
+@pytest.mark.parametrize("scenario,faults,verdict", [
+    ("scale-down", [], ("pass", None)),
+    ("abort", [], ("safety", "stale_peer")),  # the aborted PREPARE's communicator keeps the rank that was to join
+    ("elastic-cycle", ["--fault", "gc.never"], ("safety", "stale_peer")),  # the old communicator is never collected
+])
+def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenario, faults, verdict) -> None:
+    sim = run(scenario, "--strategy", "vllm", *faults, backend="sim")
+    real = run(scenario, "--strategy", "vllm", *faults, backend="real")
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == verdict, real["detail"]
     assert real["profile"] == "real-cpu" and real["metrics"]["transfers"] > 0
-    if scenario == "scale-down":  # a whole run: the real ledger counts what the simulation counts
+    if verdict[0] == "pass":  # a whole run: the real ledger counts what the simulation counts
         assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
-    else:  # the departing rank that the aborted communicator keeps loaded is named in both worlds
+    else:  # the departed rank still loaded is named in both worlds
         assert "of departed pid 2 loaded after the reconfiguration to pids 0-1" in real["detail"]
+        assert "of departed pid 2 loaded after the reconfiguration to pids 0-1" in sim["detail"]
