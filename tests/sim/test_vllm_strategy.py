@@ -57,6 +57,16 @@ def test_a_lagging_stream_corrupts_vllm_0_33_0s_weights_on_cuda(released) -> Non
     assert run("scale-up", profile="cuda").verdict == "pass"
 
 
+def test_vllms_rocm_branch_waits_for_the_stream_through_torch_accelerator(released) -> None:
+    """On ROCm vLLM 0.33.0 calls torch.accelerator.current_stream().synchronize() before its READs; the simulated
+    stream answers that spelling too, so the same lag that corrupts CUDA's weights is harmless there (steady: no
+    reconfiguration, whose second registration rocm-strict refuses)."""
+    lag = ["device.stream_lag:delay_s=0.01"]
+    assert run("steady", profile="cuda", faults=lag).invariant == "expert_weights"
+    r = run("steady", profile="rocm-strict", faults=lag)
+    assert r.verdict == "pass" and r.faults_fired, r.detail
+
+
 def test_the_seeds_change_on_vllms_class(released) -> None:
     """vllm+shared-agent: one agent per process for its whole life; the departed peers stay loaded."""
     up, down = run("scale-up", strategy="vllm+shared-agent"), run("scale-down", strategy="vllm+shared-agent")
