@@ -388,6 +388,9 @@ class RealWorker:
         self.history("comm.swap", gen=spec.name)
         self.drop(old, "old communicator")
         del old
+        if self.sc.lifecycle == "0.33.0":  # warm_and_capture releases the graphs again (sim/worker.py)
+            self.history("gc.collect", reason="warm_and_capture")
+            gc.collect()
 
     def do_abort(self) -> None:
         self.join_async()

@@ -143,11 +143,10 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "MI355's build refuses to initialise again. The cleanup runs on a background thread while the new "
             "group serves, so the two race: where a rank makes its new buffer before its cleanup destroyed the old "
             "one, the run fails under the patch too; the seeded tie-break decides it (over seeds 0-11, once in "
-            "scale-down, never at this seed), and a cleanup 5 s late makes it happen at every seed. A late cleanup leaves an old buffer alive, and the new buffer's init only "
-            "bumps the old world's count, patch or not. Intranode high throughput never touches NVSHMEM, but its "
-            "buffers have no strong reference besides the MoE layer's: the survivors' old buffers are dropped at the "
-            "switch "
-            "and leak (DeepEP warns; the cleanup finds an empty cache), the first problem of every high-throughput "
+            "scale-down, never at this seed), and a cleanup 5 s late makes it happen at every seed. A late "
+            "cleanup leaves an old buffer alive, and the new buffer's init only bumps the old world's count, patch "
+            "or not. Intranode high throughput never touches NVSHMEM, but its buffers have no strong reference "
+            "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP warns; the cleanup finds an empty cache), the first problem of every high-throughput "
             "run that reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit "
             "and wait for peers that never come. This row follows the reference's reading of vLLM's managers; it "
             "has not been seen on hardware. With `explicitly_destroy=False`, the "
@@ -306,10 +305,70 @@ def render_vllm(cells: list[Cell], async_cells: list[Cell] | None = None) -> str
     return "\n".join(out)
 
 
+# The other lifecycle revision, where a scenario runs under 0.33.0 (abort runs under pr-53947 already: 0.33.0's
+# workers take no ABORT).  The GC dimension is where the revisions differ; one profile shows it.
+LATER = "pr-53947"
+LIFECYCLE_PROFILE = "dram"
+
+# Why a cell's verdict depends on the lifecycle revision (the fault decides it).
+LIFECYCLE_WHY = {
+    "gc.cycle": "vLLM 0.33.0 collects garbage again right after the swap (warm_and_capture releases the CUDA "
+    "graphs: `gc.collect()` in `elastic_execute.py`), so an old communicator that only a reference cycle keeps is "
+    "finalized, and its departed peers removed, before the reconfiguration completes; pr-53947 collects once, "
+    "before the swap, and the cycle waits for the process's next planned collection",
+}
+
+
+def run_lifecycle(scenarios=SCENARIOS, strategies=MATRIX_STRATEGIES, faults=GC_FAULTS) -> list[Cell]:
+    """The cells of the scenarios that follow 0.33.0, run under the other revision (one profile)."""
+    cells = []
+    for name in scenarios:
+        sc = load(name)
+        if sc.lifecycle == LATER:
+            continue
+        sc = with_overrides(sc, lifecycle=LATER)
+        for strategy in strategies:
+            for fault in faults:
+                r = run_scenario(sc, seed=SEED, strategy=strategy, profile=LIFECYCLE_PROFILE,
+                                 faults=[fault] if fault else [])
+                cells.append(Cell(name, strategy, LIFECYCLE_PROFILE, fault, r))
+    return cells
+
+
+def lifecycle_differences(cells: list[Cell], later: list[Cell]) -> list[tuple[Cell, Cell]]:
+    """(0.33.0's cell, pr-53947's) wherever the verdicts differ."""
+    now = {(c.scenario, c.strategy, c.profile, c.fault): c for c in cells}
+    return [(now[k], c) for c in later
+            if (k := (c.scenario, c.strategy, c.profile, c.fault)) in now and now[k].short != c.short]
+
+
+def render_lifecycle(cells: list[Cell], later: list[Cell]) -> str:
+    out = ["## The lifecycle revisions", "",
+           "Every scenario above follows vLLM 0.33.0's worker lifecycle (`lifecycle: 0.33.0`, the default), "
+           f"except abort, which needs the revision whose workers take an ABORT (`lifecycle: {LATER}`, vLLM PR "
+           "#53947; 0.33.0 has only the external coordinator's abort, which reaches no worker). What each revision "
+           "does at each step, with vLLM's files: `docs/simulation.md`. The other scenarios under "
+           f"`{LATER}` ({LIFECYCLE_PROFILE}, every strategy and GC fault: {len(later)} cells) differ here:", ""]
+    differ = lifecycle_differences(cells, later)
+    if not differ:
+        out.append("- nowhere.")
+    groups: dict[tuple[str, str], list[tuple[Cell, Cell]]] = {}
+    for ours, theirs in differ:
+        groups.setdefault((ours.fault.partition(":")[0], ours.short + " / " + theirs.short), []).append((ours, theirs))
+    for (site, shown), pairs in groups.items():
+        where = "; ".join(f"{sc}: " + ", ".join(o.strategy for o, _ in pairs if o.scenario == sc)
+                          for sc in dict.fromkeys(o.scenario for o, _ in pairs))
+        now, then = shown.split(" / ")
+        out.append(f"- **{site or 'no fault'}** ({where}): 0.33.0 {now}, {LATER} {then}. "
+                   f"{LIFECYCLE_WHY.get(site, 'not explained yet')}.")
+    out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
     cells = run_matrix()
-    sys.stdout.write(render(cells) + "\n" + render_vllm(cells) + "\n" + render_deep_ep(run_deep_ep()) + "\n"
-                     + render_stream_lag(run_stream_lag()))
+    sys.stdout.write(render(cells) + "\n" + render_vllm(cells) + "\n" + render_lifecycle(cells, run_lifecycle())
+                     + "\n" + render_deep_ep(run_deep_ep()) + "\n" + render_stream_lag(run_stream_lag()))
     return 0
 
 

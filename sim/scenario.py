@@ -145,6 +145,11 @@ class ServingConfig(_Strict):
 
 
 EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]
+# The vLLM revision whose worker lifecycle the engine follows (docs/simulation.md, "The lifecycle, step by step").
+# 0.33.0: as released.  pr-53947: the revision with abort_reconfiguration, which epsim first modelled: workers take
+# an ABORT, and COMMIT collects once, before the swap.
+Lifecycle = Literal["0.33.0", "pr-53947"]
+LIFECYCLES: tuple[str, ...] = ("0.33.0", "pr-53947")
 
 
 class All2AllConfig(_Strict):
@@ -223,6 +228,8 @@ class Scenario(_Strict):
     steps: int = Field(ge=1, le=10**9, description="total forward steps")
     seed: int = Field(0, ge=0, le=2**63 - 1)
     collective_timeout_s: float = Field(300.0, gt=0, le=86400.0)
+    lifecycle: Lifecycle = Field("0.33.0", description="the vLLM revision whose worker lifecycle is followed: "
+                                                       "0.33.0 (as released) or pr-53947 (workers take ABORT)")
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "Scenario":
@@ -275,6 +282,10 @@ class Scenario(_Strict):
                                           f"exist at step {ev.at_step}; the prepared size must differ")
                 if self.max_ranks is not None and target > self.max_ranks:
                     raise _Problem(field, f"{ev.kind} to {target} ranks exceeds max_ranks = {self.max_ranks}")
+                if ev.kind == "abort" and self.lifecycle == "0.33.0":
+                    # 0.33.0 has only the external coordinator's abort, which reaches no worker.
+                    raise _Problem(f"{at}.kind", "vLLM 0.33.0's workers take no ABORT; an abort needs "
+                                                 "lifecycle: pr-53947")
                 what = f"{ev.kind} to {_ranks(target)}"
             if m.physical_experts(target) < m.experts:
                 raise _Problem(field, f"{what} x {m.local_experts} local_experts = {m.physical_experts(target)} "

@@ -329,8 +329,10 @@ class Worker:
         done.succeed()
 
     def do_commit(self) -> None:
-        """COMMIT: drain, collect (vLLM's switch_and_prepare calls gc.collect()), swap; the old communicator is
-        dropped here and lives on only as long as something else holds it."""
+        """COMMIT: drain, collect (switch_and_prepare's _release_cuda_graphs calls gc.collect()), swap; the old
+        communicator is dropped here and lives on only as long as something else holds it.  vLLM 0.33.0 then
+        collects again (warm_and_capture releases the graphs once more), before the retired groups' cleanup
+        starts: an old communicator that only a reference cycle kept is finalized inside the reconfiguration."""
         self.join_async()
         self.cluster.gc.collect(f"commit@{self.pid}", self.pid)
         comm, group = self.prepared
@@ -341,17 +343,25 @@ class Worker:
         self.history("comm.swap", gen=group.group_name)
         self.cluster.gc.drop(self.pid, old, "old communicator")
         del old
-        if self.a2a is not None:
-            self._switch_all2all()
+        retired = self._switch_all2all() if self.a2a is not None else None
+        if self.cluster.scenario.lifecycle == "0.33.0":
+            self.cluster.gc.collect(f"warm_and_capture@{self.pid}", self.pid)
+        if retired is not None:
+            self._start_group_cleanup(retired)
 
-    def _switch_all2all(self) -> None:
-        """The new group's manager serves from now on; the MoE layer drops its old buffer, and the retired group's
-        manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while the new group serves."""
+    def _switch_all2all(self) -> Any:
+        """The new group's manager serves from now on and the MoE layer drops its old buffer (vLLM's
+        ``_commit_staged_moe_quant_methods``); returns the retired manager."""
         retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
         old_buf, self.a2a_buffer = self.a2a_buffer, None
         if old_buf is not None:
             self.cluster.gc.drop(self.pid, old_buf, "old all2all buffer")
         del old_buf
+        return retired
+
+    def _start_group_cleanup(self, retired) -> None:
+        """The retired group's manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while
+        the new group serves."""
         late = self.cluster.faults.take({"all2all.cleanup_late": WORKER_SITES["all2all.cleanup_late"]}, self.pid,
                                         "all2all cleanup")
         delay = float(late.params.get("delay_s", 1.0)) if late is not None else 0.0

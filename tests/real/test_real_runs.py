@@ -134,15 +134,15 @@ def test_a_prepare_fault_due_inside_the_window_fires_in_both_worlds():
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]), real["detail"]
 
 
-def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_in_both_worlds(tmp_path):
-    """Found by review: the real rank kept a gc.cycle holder in the list its exit's leak check reads, so no
-    collection could free the cycle and the old agent died with the process, never deregistered; the simulation
-    finalizes it at the rank's next planned collection (here its exit), as Python does.  The real rank also recorded
-    a collection after making it (what it finalized came first) and none at exit."""
+@pytest.mark.parametrize("revision", ["0.33.0", "pr-53947"])
+def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_in_both_worlds(tmp_path, revision):
+    """An old communicator in a reference cycle is finalized at its rank's next planned collection, in both worlds:
+    under vLLM 0.33.0 the one right after the swap (warm_and_capture), under pr-53947 the rank's exit.  Each
+    collection is recorded before what it finalizes, and the exit collects too."""
     def lifecycle(backend: str) -> dict[int, list[tuple[str, str]]]:
         out = tmp_path / backend
         r = run(*UP_2_TO_3, "--strategy", "per-communicator-agent", "--fault", "gc.cycle", "--out", str(out),
-                backend=backend)
+                "--set", f"lifecycle={revision}", backend=backend)
         assert r["verdict"] == "pass" and r["faults_fired"] == {"gc.cycle": 2}, r["detail"]
         agents: dict[str, str] = {}  # agent name -> "a0", "a1", ...: the n-th agent its process created
         made: dict[int, int] = {}
@@ -161,9 +161,16 @@ def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_
 
     sim, real = lifecycle("sim"), lifecycle("real")
     assert real == sim
-    assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
-                      ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"), ("nixl.agent.destroy", "a1"),
-                      ("gc.collect", "exit"), ("nixl.deregister", "a0"), ("nixl.agent.destroy", "a0")]
+    if revision == "0.33.0":
+        assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
+                          ("gc.collect", "warm_and_capture"), ("nixl.deregister", "a0"),
+                          ("nixl.agent.destroy", "a0"), ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"),
+                          ("nixl.agent.destroy", "a1"), ("gc.collect", "exit")]
+    else:
+        assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
+                          ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"),
+                          ("nixl.agent.destroy", "a1"), ("gc.collect", "exit"), ("nixl.deregister", "a0"),
+                          ("nixl.agent.destroy", "a0")]
 
 
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():

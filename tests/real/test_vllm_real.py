@@ -41,3 +41,13 @@ def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenari
     else:  # the departed rank still loaded is named in both worlds
         assert "of departed pid 2 loaded after the reconfiguration to pids 0-1" in real["detail"]
         assert "of departed pid 2 loaded after the reconfiguration to pids 0-1" in sim["detail"]
+
+
+@pytest.mark.parametrize("lifecycle,verdict", [("0.33.0", ("pass", None)), ("pr-53947", ("safety", "stale_peer"))])
+def test_the_collection_after_the_swap_on_real_nixl(released, lifecycle, verdict) -> None:
+    """An old communicator that a reference cycle keeps: vLLM 0.33.0 collects again after the swap and its agent
+    is gone before the scale-down completes; the revision that collects only before the swap still has the
+    departed rank loaded then.  Real processes, a real gc.collect(), as the simulation says."""
+    args = ("scale-down", "--strategy", "vllm", "--fault", "gc.cycle", "--set", f"lifecycle={lifecycle}")
+    sim, real = run(*args, backend="sim"), run(*args, backend="real")
+    assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == verdict, real["detail"]

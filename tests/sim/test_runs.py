@@ -158,15 +158,21 @@ def test_broken_shared_agent_is_caught_under_gc_faults(name: str, fault: str) ->
     assert sum(r.faults_fired.values()) >= 1
 
 
-@pytest.mark.parametrize("fault, caught", [("gc.late:delay_s=0.5", ("crash", "exception")),
-                                           ("gc.cycle", ("safety", "released_twice")),
-                                           ("gc.never", ("safety", "released_twice"))])
-def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str, caught: tuple[str, str]) -> None:
+@pytest.mark.parametrize("fault, lifecycle, caught", [
+    ("gc.late:delay_s=0.5", "0.33.0", ("crash", "exception")),
+    ("gc.cycle", "0.33.0", ("crash", "exception")),
+    ("gc.cycle", "pr-53947", ("safety", "released_twice")),
+    ("gc.never", "0.33.0", ("safety", "released_twice")),
+])
+def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str, lifecycle: str, caught: tuple[str, str]) -> None:
     """scale-up has no load drift.  A finalizer that runs half a second late breaks a later READ (the rebalance
-    after the reshuffle still moves experts, as vLLM's policy reshuffles on sampling noise); when it runs at a
-    commit's collection or never, no READ breaks (these runs passed once, a coverage gap) and the ledger sees it:
-    the new communicator's own cleanup deregisters the shared registrations the broken finalizer released."""
-    r = run("scale-up", strategy=BROKEN, faults=[fault])
+    after the reshuffle still moves experts, as vLLM's policy reshuffles on sampling noise), and so does one that
+    0.33.0's collection after the swap runs (before the reshuffle); when it runs at the process's exit (pr-53947's
+    one collection before the swap leaves the cycle there) or never, no READ breaks and the ledger sees it: the new
+    communicator's own cleanup deregisters the shared registrations the broken finalizer released."""
+    from sim.scenario import with_overrides
+
+    r = run_scenario(with_overrides(load("scale-up"), lifecycle=lifecycle), strategy=BROKEN, faults=[fault])
     assert (r.verdict, r.invariant) == caught, r.detail
     if caught[0] == "crash":
         assert "nixlNotFoundError" in r.detail
@@ -190,20 +196,52 @@ def test_gc_faults_change_where_the_old_communicator_dies() -> None:
     assert [h for _, h in plain_drops][:2] == ["refcount", "refcount"]
     assert [h for _, h in late_drops][:2] == ["gc.late", "gc.late"]
     assert plain[:2] == [51.021, 51.021] and late[:2] == [53.521, 53.521]
-    c = Cluster(load("scale-up"), seed=0, strategy="per-communicator-agent", profile="dram",
-                faults=[parse("gc.cycle:times=1")])
+
+
+@pytest.mark.parametrize("lifecycle", ["0.33.0", "pr-53947"])
+def test_a_communicator_in_a_cycle_dies_at_its_processs_next_planned_collection(lifecycle) -> None:
+    """COMMIT collects before the swap in both revisions; vLLM 0.33.0 collects again after it (warm_and_capture
+    releases the CUDA graphs once more), so an old communicator that a cycle keeps dies inside the commit there,
+    and at the process's exit in pr-53947."""
+    from sim.cluster import Cluster
+    from sim.faults import parse
+    from sim.scenario import with_overrides
+
+    c = Cluster(with_overrides(load("scale-up"), lifecycle=lifecycle), seed=0, strategy="per-communicator-agent",
+                profile="dram", faults=[parse("gc.cycle:times=1")])
     c.run()
-    kinds = [(kind, f.get("how"), f.get("reason")) for _, kind, f in c.kernel.history.records
-             if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy")]
+    kinds = [(kind, f.get("how"), f.get("reason"), f.get("pid")) for _, kind, f in c.kernel.history.records
+             if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy", "comm.swap")]
     c.kernel.close()
-    # The first rank to commit (the tie-break's choice: pid 1) has its old communicator sit in a cycle until its
-    # own next planned collection (its exit at shutdown), not the other rank's commit; the other's is dropped by
-    # refcount and dies at once.
-    assert kinds[:5] == [("gc.collect", None, "commit@1"), ("gc.drop", "gc.cycle", None),
-                         ("gc.collect", None, "commit@0"), ("gc.drop", "refcount", None),
-                         ("nixl.agent.destroy", None, None)]
-    exit_1 = kinds.index(("gc.collect", None, "exit@1"))
-    assert kinds[exit_1 + 1] == ("nixl.agent.destroy", None, None)  # pid 1's old agent, broken free at last
+    # The first rank to commit (the tie-break's choice: pid 1) has its old communicator put in a cycle; the other's
+    # is dropped by refcount and dies at once.
+    if lifecycle == "0.33.0":
+        assert kinds[:10] == [("gc.collect", None, "commit@1", 1), ("comm.swap", None, None, 1),
+                              ("gc.drop", "gc.cycle", None, 1), ("gc.collect", None, "warm_and_capture@1", 1),
+                              ("nixl.agent.destroy", None, None, 1),
+                              ("gc.collect", None, "commit@0", 0), ("comm.swap", None, None, 0),
+                              ("gc.drop", "refcount", None, 0), ("nixl.agent.destroy", None, None, 0),
+                              ("gc.collect", None, "warm_and_capture@0", 0)]
+    else:  # it waits for pid 1's own next planned collection, its exit at shutdown, not the other rank's commit
+        assert kinds[:7] == [("gc.collect", None, "commit@1", 1), ("comm.swap", None, None, 1),
+                             ("gc.drop", "gc.cycle", None, 1), ("gc.collect", None, "commit@0", 0),
+                             ("comm.swap", None, None, 0), ("gc.drop", "refcount", None, 0),
+                             ("nixl.agent.destroy", None, None, 0)]
+        assert not [k for k in kinds if k[2] and k[2].startswith("warm_and_capture")]
+        exit_1 = kinds.index(("gc.collect", None, "exit@1", 1))
+        assert kinds[exit_1 + 1] == ("nixl.agent.destroy", None, None, 1)  # pid 1's old agent, broken free at last
+
+
+@pytest.mark.parametrize("scenario", ["scale-down", "elastic-cycle"])
+def test_the_collection_after_the_swap_decides_the_gc_cycle_cells(scenario) -> None:
+    """The departed peers a cycle-kept communicator holds are removed before the reconfiguration completes under
+    0.33.0; under pr-53947 they are still loaded then."""
+    from sim.scenario import with_overrides
+
+    runs = {lc: run_scenario(with_overrides(load(scenario), lifecycle=lc), strategy="per-communicator-agent",
+                             faults=["gc.cycle"]) for lc in ("0.33.0", "pr-53947")}
+    assert runs["0.33.0"].verdict == "pass", runs["0.33.0"].detail
+    assert (runs["pr-53947"].verdict, runs["pr-53947"].invariant) == ("safety", "stale_peer")
 
 
 def test_bad_scenario_file_is_one_line_exit_2(tmp_path) -> None:
@@ -434,7 +472,8 @@ def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) 
     abort's PREPARE from step 126) the ranks a scale-down would have removed must drain too, since only a rank's
     own main thread takes its staged layers (found by review: they held everyone's next collective)."""
     cluster = _async_run("scale-down", use_async=use_async, **{"model.layers": 30},
-                         timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}])
+                         timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}],
+                         lifecycle="pr-53947")
     assert cluster.oracles.verdict() == ("pass", None, None)
     moved_async = {f["pid"] for _, kind, f in cluster.kernel.history.records
                    if kind == "thread.start" and f["thread"].startswith("eplb-async@")}

@@ -246,6 +246,17 @@ def test_impossible_timelines(tmp_path, timeline, expected):
     assert error_of(path) == f"{path}: {expected}"
 
 
+def test_an_abort_needs_the_revision_whose_workers_take_it(tmp_path):
+    """vLLM 0.33.0 (the default lifecycle) has only the external coordinator's abort, which reaches no worker."""
+    head, _, _ = SMALL.partition("timeline:\n")
+    text = head + "timeline:\n  - {at_step: 1000, kind: abort, to: 4}\nsteps: 3000\n"
+    path = write(tmp_path, text)
+    assert error_of(path) == (f"{path}: timeline[0].kind: vLLM 0.33.0's workers take no ABORT; an abort needs "
+                              "lifecycle: pr-53947")
+    assert S.load(write(tmp_path, text + "lifecycle: pr-53947\n")).lifecycle == "pr-53947"
+    assert S.load("abort").lifecycle == "pr-53947" and S.load("scale-up").lifecycle == "0.33.0"
+
+
 def test_fail_rank_after_scale_up(tmp_path):
     head, _, _ = SMALL.partition("timeline:\n")
     text = head + ("timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n"
