@@ -4,7 +4,8 @@ vLLM holds and drops them, and one MoE forward through them per serving chunk, c
 What vLLM does (reference ``deep_ep.md``, "vLLM managers" and "vLLM Elastic EP"), and what the worker does here:
 
 - a manager's ``Cache`` is a weak-value dictionary keyed by the buffer's arguments, the group among them, so a new
-  EP group means a new Buffer, made on first use (the first forward step on the new group);
+  EP group means a new Buffer: made with the MoE kernels that hold it under vLLM 0.33.0 (at model load, and at
+  PREPARE for the new group), on the first forward step on the group under pr-53947 (``Worker._buffers_made_ahead``);
 - strong references: each MoE layer's prepare-and-finalize object (here ``Worker.a2a_buffer``, dropped at the
   switch) and, for low latency, the class attribute ``DeepEPLLAll2AllManager._buffer`` (here one per process,
   replaced when the next LL buffer is made);

@@ -24,6 +24,9 @@ PROFILES = ("dram", "cuda", "rocm-strict")
 SCENARIOS = ("steady", "scale-up", "scale-down", "elastic-cycle", "abort", "rank-failure")
 GC_FAULTS = ("", "gc.late:delay_s=2", "gc.cycle", "gc.thread", "gc.never")
 SEED = 0
+# The other lifecycle revision, where a scenario follows 0.33.0 (abort follows pr-53947 already: 0.33.0's workers
+# take no ABORT).
+LATER = "pr-53947"
 
 # The DeepEP dimension: all2all backend x NVSHMEM build (rows) against the reconfigurations and faults that
 # decide them (columns), with per-communicator-agent (remote setup deferred, so PREPARE makes no collective of the
@@ -113,30 +116,62 @@ class DeepEPCell(_Verdict):
     nvshmem: str
     column: str
     result: Result
+    lifecycle: str = "0.33.0"
 
 
-def run_deep_ep() -> list[DeepEPCell]:
+def run_deep_ep(lifecycles=("0.33.0", LATER)) -> list[DeepEPCell]:
     from .scenario import with_overrides
 
     cells = []
-    for backend, nvshmem in DEEPEP_ROWS:
-        for label, name, faults, extra in DEEPEP_COLUMNS:
-            sc = with_overrides(load(name), **{"all2all.backend": backend, "all2all.nvshmem": nvshmem, **extra})
-            r = run_scenario(sc, seed=SEED, strategy=DEEPEP_STRATEGY, profile=DEEPEP_PROFILE, faults=list(faults))
-            cells.append(DeepEPCell(backend, nvshmem, label, r))
+    for lifecycle in lifecycles:
+        for backend, nvshmem in DEEPEP_ROWS:
+            for label, name, faults, extra in DEEPEP_COLUMNS:
+                sc = with_overrides(load(name), **{"all2all.backend": backend, "all2all.nvshmem": nvshmem,
+                                                   "lifecycle": lifecycle, **extra})
+                r = run_scenario(sc, seed=SEED, strategy=DEEPEP_STRATEGY, profile=DEEPEP_PROFILE,
+                                 faults=list(faults))
+                cells.append(DeepEPCell(backend, nvshmem, label, r, lifecycle))
     return cells
 
 
-def render_deep_ep(cells: list[DeepEPCell]) -> str:
-    out = ["## The DeepEP dimension", "",
-           f"The workers dispatch and combine one MoE layer through the fake DeepEP `Buffer` at every serving chunk "
-           f"and reconfigure as vLLM's managers do: a new group's buffer is made on its first forward step, the "
-           f"retired group's manager destroys its buffers on a background thread after the switch. "
-           f"{DEEPEP_STRATEGY} on {DEEPEP_PROFILE}, seed {SEED}; rows: all2all backend x NVSHMEM build "
-           "(`all2all.backend`, `all2all.nvshmem`).", ""]
-    out += _table(["backend", "NVSHMEM", *(c[0] for c in DEEPEP_COLUMNS)],
+def _deep_ep_table(cells: list[DeepEPCell]) -> list[str]:
+    return _table(["backend", "NVSHMEM", *(c[0] for c in DEEPEP_COLUMNS)],
                   [[backend, nvshmem, *(c.short for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem))]
                    for backend, nvshmem in DEEPEP_ROWS])
+
+
+def _failing_kinds(cells: list[DeepEPCell]) -> list[str]:
+    return _first_of_each_kind(cells, lambda c: (c.result.invariant, (c.result.detail or "").split(":")[-1][:60]),
+                               lambda c: f"{c.backend} / {c.nvshmem} / {c.column}")
+
+
+def render_deep_ep(cells: list[DeepEPCell]) -> str:
+    released = [c for c in cells if c.lifecycle == "0.33.0"]
+    later = [c for c in cells if c.lifecycle == LATER]
+    out = ["## The DeepEP dimension", "",
+           f"The workers dispatch and combine one MoE layer through the fake DeepEP `Buffer` at every serving chunk "
+           f"and reconfigure as vLLM's managers do; the retired group's manager destroys its buffers on a "
+           f"background thread after the switch. When a group's buffer is made depends on the lifecycle revision. "
+           f"{DEEPEP_STRATEGY} on {DEEPEP_PROFILE}, seed {SEED}; rows: all2all backend x NVSHMEM build "
+           "(`all2all.backend`, `all2all.nvshmem`).", "",
+           "### vLLM 0.33.0: a group's buffer is made with the MoE kernels that hold it", "",
+           "At model load, and for the new group at PREPARE (`stage_standby_moe_quant_methods` builds the staged "
+           "kernels, whose prepare-and-finalize gets the standby manager's handle: "
+           "`model_executor/layers/fused_moe/eep_reconfigure.py`, `all2all_utils.py`), while the old group's "
+           "buffer still serves; COMMIT puts the staged kernels in (`_commit_staged_moe_quant_methods`) and the old "
+           "buffer loses the MoE layer's reference.", ""]
+    out += _deep_ep_table(released)
+    out += ["", "What the cells say. Every low-latency cell hangs: the standby buffer initialises NVSHMEM while "
+            "the old world's buffer is alive, so its init only bumps the old world's count and keeps the old "
+            "size, patch or not, and the new group's first NVSHMEM call waits for ranks that are not in that "
+            "world (MI355's build, which refuses a second initialisation after a finalize, hangs the same way, "
+            "since nothing was finalized). The elastic patch cannot help under this order: there is no moment "
+            "when no buffer is alive. High throughput is as under the other revision (below). Modelled from the "
+            "released sources and the reference's NVSHMEM facts; not seen on hardware.",
+            "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
+    out += _failing_kinds(released)
+    out += ["", f"### {LATER}: a group's buffer is made on its first forward step", ""]
+    out += _deep_ep_table(later)
     out += ["", "What the cells say. Low latency runs over NVSHMEM: the new group's buffers are made on its first "
             "forward step, mostly after the cleanup destroyed the old ones, so the count reaches zero first; "
             "stock NVSHMEM then reuses the old world (its size), the elastic patch bootstraps a new one, and "
@@ -146,15 +181,14 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "scale-down, never at this seed), and a cleanup 5 s late makes it happen at every seed. A late "
             "cleanup leaves an old buffer alive, and the new buffer's init only bumps the old world's count, patch "
             "or not. Intranode high throughput never touches NVSHMEM, but its buffers have no strong reference "
-            "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP warns; the cleanup finds an empty cache), the first problem of every high-throughput "
-            "run that reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit "
-            "and wait for peers that never come. This row follows the reference's reading of vLLM's managers; it "
-            "has not been seen on hardware. With `explicitly_destroy=False`, the "
-            "collector runs the collective destroy, so the rank whose buffer is never collected is the one the "
-            "others wait for.",
+            "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP "
+            "warns; the cleanup finds an empty cache), the first problem of every high-throughput run that "
+            "reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit and wait "
+            "for peers that never come. This row follows the reference's reading of vLLM's managers; it has not "
+            "been seen on hardware. With `explicitly_destroy=False`, the collector runs the collective destroy, so "
+            "the rank whose buffer is never collected is the one the others wait for.",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
-    out += _first_of_each_kind(cells, lambda c: (c.result.invariant, (c.result.detail or "").split(":")[-1][:60]),
-                               lambda c: f"{c.backend} / {c.nvshmem} / {c.column}")
+    out += _failing_kinds(later)
     out.append("")
     return "\n".join(out)
 
@@ -305,9 +339,7 @@ def render_vllm(cells: list[Cell], async_cells: list[Cell] | None = None) -> str
     return "\n".join(out)
 
 
-# The other lifecycle revision, where a scenario runs under 0.33.0 (abort runs under pr-53947 already: 0.33.0's
-# workers take no ABORT).  The GC dimension is where the revisions differ; one profile shows it.
-LATER = "pr-53947"
+# The GC dimension under the other revision (one profile shows where they differ).
 LIFECYCLE_PROFILE = "dram"
 
 # Why a cell's verdict depends on the lifecycle revision (the fault decides it).

@@ -77,7 +77,7 @@ class Worker:
         self.alive = True
         # The MoE all2all (all2all.backend != none): the group's manager, the standby one PREPARE builds, the MoE
         # layer's strong reference to its buffer, and the per-process LL class attribute.
-        self.a2a = self.prepared_a2a = self.a2a_buffer = None
+        self.a2a = self.prepared_a2a = self.a2a_buffer = self.prepared_a2a_buffer = None
         self.a2a_process = None
         self.a2a_handle: tuple[Any, Any] | None = None  # (weak reference to the buffer, handle) of the last dispatch
 
@@ -126,8 +126,17 @@ class Worker:
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group.group_name, prev=False)
         self.a2a = self._manager(self.group)
+        if self.a2a is not None and self._buffers_made_ahead():
+            self.a2a_buffer = self.a2a.get_handle()  # the model's load makes its MoE kernels, and with them the buffer
         if done is not None:
             done.succeed()
+
+    def _buffers_made_ahead(self) -> bool:
+        """vLLM 0.33.0 makes a group's DeepEP buffer with the MoE kernels that hold it: at model load, and for a new
+        group at PREPARE, while the old group's buffer serves (stage_standby_moe_quant_methods: the staged kernels'
+        prepare-and-finalize gets the standby manager's handle); pr-53947 (epsim's first model) at the first forward
+        step on the group."""
+        return self.cluster.scenario.lifecycle == "0.33.0"
 
     def _manager(self, group):
         """The all2all manager of ``group``'s generation, on its EP group: vLLM builds the DeepEP buffer on the EP
@@ -325,7 +334,9 @@ class Worker:
         self.prepared = (comm, group)
         del comm
         self.history("comm.create", gen=group.group_name, prev=True)
-        self.prepared_a2a = self._manager(group)  # the standby all2all manager; its buffer is made on first use
+        self.prepared_a2a = self._manager(group)  # the standby all2all manager
+        if self.prepared_a2a is not None and self._buffers_made_ahead():
+            self.prepared_a2a_buffer = self.prepared_a2a.get_handle()  # held by the staged kernels until COMMIT
         done.succeed()
 
     def do_commit(self) -> None:
@@ -353,7 +364,8 @@ class Worker:
         """The new group's manager serves from now on and the MoE layer drops its old buffer (vLLM's
         ``_commit_staged_moe_quant_methods``); returns the retired manager."""
         retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
-        old_buf, self.a2a_buffer = self.a2a_buffer, None
+        # (_commit_staged_moe_quant_methods: the staged kernels, and the buffer they hold, replace the MoE layer's)
+        old_buf, self.a2a_buffer, self.prepared_a2a_buffer = self.a2a_buffer, self.prepared_a2a_buffer, None
         if old_buf is not None:
             self.cluster.gc.drop(self.pid, old_buf, "old all2all buffer")
         del old_buf
@@ -396,13 +408,17 @@ class Worker:
         if comm is not None:
             self.cluster.gc.drop(self.pid, comm, "communicator at exit")
         del comm
-        if self.a2a is not None:  # shutdown destroys the groups, and with them the managers' buffers
-            manager, self.a2a, self.prepared_a2a = self.a2a, None, None
-            self.history("all2all.cleanup", destroyed=manager.destroy())
-            buf, self.a2a_buffer = self.a2a_buffer, None
-            if buf is not None:
-                self.cluster.gc.drop(self.pid, buf, "all2all buffer at exit")
-            del buf
+        if self.a2a is not None:  # shutdown destroys the groups (standby ones too), and with them their buffers
+            managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
+            self.a2a = self.prepared_a2a = None
+            self.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
+            del managers
+            for name in ("a2a_buffer", "prepared_a2a_buffer"):
+                buf = getattr(self, name)
+                setattr(self, name, None)
+                if buf is not None:
+                    self.cluster.gc.drop(self.pid, buf, "all2all buffer at exit")
+                del buf
         # The interpreter's last collections at exit, as a real process's (and the real backend's rank) run them:
         # a communicator a gc.cycle fault put in a cycle is finalized here, not lost with the process.
         self.cluster.gc.collect(f"exit@{self.pid}", self.pid)

@@ -13,6 +13,9 @@ from sim.run import run_scenario
 from tests.conftest import epsim
 
 LL_ELASTIC = {"all2all.backend": "deepep_low_latency", "all2all.nvshmem": "elastic"}
+# pr-53947 makes a group's buffer on its first forward step: the order most tests here read.  vLLM 0.33.0 makes it
+# with the MoE kernels, at load and at PREPARE (test_0_33_0_makes_the_new_groups_buffer_at_prepare...).
+FIRST_USE = {"lifecycle": "pr-53947"}
 
 
 def _run(name: str, seed: int = 0, **overrides):
@@ -22,9 +25,9 @@ def _run(name: str, seed: int = 0, **overrides):
 
 def test_buffers_follow_the_reconfiguration_and_every_forward_is_checked():
     # (the race of the next test, a rank's new buffer before its old one's cleanup, is lost at no seed here)
-    r = _run("elastic-cycle", seed=1, **LL_ELASTIC)
+    r = _run("elastic-cycle", seed=1, **LL_ELASTIC, **FIRST_USE)
     assert r.verdict == "pass", r.detail
-    again = _run("elastic-cycle", seed=1, **LL_ELASTIC)
+    again = _run("elastic-cycle", seed=1, **LL_ELASTIC, **FIRST_USE)
     assert again.trace_hash == r.trace_hash  # deterministic, buffers and all
 
 
@@ -34,13 +37,33 @@ def test_the_cleanup_races_the_first_forward_even_with_the_elastic_patch():
     an old buffer alive, which the patch does not cover.  Both are due at the switch, so the seeded tie-break decides:
     over twelve seeds, scale-down loses the race once (seed 10), scale-up and elastic-cycle never."""
     lost = {name: [seed for seed in range(12)
-                   if "a buffer of the old world is still alive" in (_run(name, seed, **LL_ELASTIC).detail or "")]
+                   if "a buffer of the old world is still alive" in (_run(name, seed, **LL_ELASTIC,
+                                                                           **FIRST_USE).detail or "")]
             for name in ("scale-up", "scale-down", "elastic-cycle")}
     assert lost == {"scale-up": [], "scale-down": [10], "elastic-cycle": []}
 
 
+def test_0_33_0_makes_the_new_groups_buffer_at_prepare_while_the_old_one_serves(tmp_path):
+    """The model's load makes the first group's buffers; PREPARE (on its background thread) makes the new group's,
+    the joining ranks' at their start, all before the swap; COMMIT drops the old ones (high throughput: no
+    NVSHMEM world, so the run goes on to its leak)."""
+    sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **{"all2all.backend": "deepep_high_throughput"})
+    r = run_scenario(sc, strategy="per-communicator-agent-deferred", out=tmp_path)
+    assert (r.verdict, r.invariant) == ("safety", "leak"), r.detail
+    kinds = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    swap = next(i for i, e in enumerate(kinds) if e["kind"] == "comm.swap")
+    first_serve = next(i for i, e in enumerate(kinds) if e["kind"] == "engine.serve")
+    scale_up = next(i for i, e in enumerate(kinds) if e["kind"] == "engine.scale_up")
+    made = [(i, e) for i, e in enumerate(kinds) if e["kind"] == "deep_ep.buffer"]
+    assert [e["size"] for _, e in made] == [2, 2, 4, 4, 4, 4]
+    assert all(i < first_serve for i, e in made if e["size"] == 2)  # at load, before the first forward step
+    assert all(scale_up < i < swap for i, e in made if e["size"] == 4)  # during PREPARE, before COMMIT
+    # ... while the old group serves: steps are served between the scale-up's start and the new buffers
+    assert any(e["kind"] == "engine.serve" for e in kinds[scale_up:min(i for i, e in made if e["size"] == 4)])
+
+
 def test_the_history_shows_buffers_made_on_first_use_and_destroyed_by_the_cleanup_thread(tmp_path):
-    sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **LL_ELASTIC)
+    sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **LL_ELASTIC, **FIRST_USE)
     run_scenario(sc, strategy="per-communicator-agent-deferred", out=tmp_path)
     kinds = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     made = [e for e in kinds if e["kind"] == "deep_ep.buffer"]
@@ -109,7 +132,7 @@ def test_with_explicitly_destroy_a_buffer_the_collector_never_reaches_does_no_ha
     # vLLM passes explicitly_destroy=True so that destroy() is an explicit collective and GC timing cannot matter:
     # every dropped buffer is kept alive here, and the run still passes.
     done = epsim("run", "scale-up", "--set", "all2all.backend=deepep_low_latency", "--fault", "gc.never:what=buffer",
-                 "--set", "all2all.nvshmem=elastic", "--json")
+                 "--set", "all2all.nvshmem=elastic", "--set", "lifecycle=pr-53947", "--json")
     result = json.loads(done.stdout)
     assert done.returncode == 0 and result["faults_fired"] == {"gc.never:what=buffer": 2}  # the two old ranks at the switch
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import (GC_FAULTS, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STRATEGIES, STREAM_SYNCED,
-                        lifecycle_differences, render, render_deep_ep, render_lifecycle, render_stream_lag,
+from sim.matrix import (GC_FAULTS, LATER, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STRATEGIES,
+                        STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle, render_stream_lag,
                         render_vllm, run_deep_ep, run_lifecycle, run_matrix, run_stream_lag)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
@@ -78,8 +78,25 @@ def deep_cells():
     return run_deep_ep()
 
 
-def deep(cells, backend, nvshmem, column):
-    return next(c.result for c in cells if (c.backend, c.nvshmem) == (backend, nvshmem) and c.column.startswith(column))
+def deep(cells, backend, nvshmem, column, lifecycle=LATER):
+    """A DeepEP cell; by default under pr-53947, whose buffers are made on the first forward step on a group (the
+    tests below read that order)."""
+    return next(c.result for c in cells if (c.backend, c.nvshmem, c.lifecycle) == (backend, nvshmem, lifecycle)
+                and c.column.startswith(column))
+
+
+def test_under_0_33_0_the_standby_buffer_meets_the_live_old_world_on_every_nvshmem_build(deep_cells) -> None:
+    """vLLM 0.33.0 makes the new group's buffer at PREPARE, while the old group's serves: NVSHMEM is initialised
+    again with a live world, which only bumps its count, so the new group's first call hangs, patch or not."""
+    for nvshmem in ("stock", "elastic", "mi355"):
+        for scenario in ("scale-up", "scale-down", "elastic-cycle"):
+            r = deep(deep_cells, "deepep_low_latency", nvshmem, scenario, "0.33.0")
+            assert (r.verdict, r.invariant) == ("liveness", "collective_timeout"), (nvshmem, scenario, r.detail)
+            assert "elastic-prepare@" in r.detail and "a buffer of the old world is still alive" in r.detail
+    for column in ("scale-up", "scale-down", "elastic-cycle", "scale-up, explicitly_destroy=False"):
+        # high throughput never touches NVSHMEM: the order of the buffers changes none of its cells
+        now, then = (deep(deep_cells, "deepep_high_throughput", "stock", column, lc) for lc in ("0.33.0", LATER))
+        assert (now.verdict, now.invariant) == (then.verdict, then.invariant), column
 
 
 def test_vllm_flow_fails_on_stock_nvshmem_and_on_the_elastic_patch_only_where_the_cleanup_races(deep_cells) -> None:
