@@ -345,13 +345,15 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
 
 def transfer_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows,
                    stream=None) -> None:
-    """The first part of :func:`move_layer` (vLLM's ``transfer_layer``): the transfer context, local copies staged
-    in ``expert_buffer`` on ``stream``, every send and recv, ``execute()``.  Async EPLB does this on its own thread
-    and leaves ``move_from_buffer`` to the main thread."""
-    comm.set_transfer_context(old_indices, layer)
+    """The first part of :func:`move_layer` (vLLM's ``transfer_layer``): local copies staged in ``expert_buffer`` on
+    ``stream``, then the transfer context, every send and recv, ``execute()``, in the order of vLLM 0.33.0's
+    ``move_to_buffer`` (a ``set_transfer_context`` that synchronizes the stream, as its ROCm branch does, waits for
+    the layer's own local copies too).  Async EPLB does this on its own thread and leaves ``move_from_buffer`` to
+    the main thread."""
     arrays = getattr(rows, "arrays", None)
     issue = stream.submit if stream is not None else _at_once
     issue(lambda: stage_local_copies(weights_layer, buffer, plan, arrays), f"stage layer {layer}")
+    comm.set_transfer_context(old_indices, layer)
     for dst_rank, logical in plan.sends:
         comm.add_send(rows(weights_layer, plan.send_row(logical)), dst_rank, logical)
     for dst_row, src_rank, logical in plan.recvs:

@@ -20,6 +20,7 @@ from sim.eplb.move import (
     rank_space,
     rearrange_in_memory,
     stage_local_copies,
+    transfer_layer,
 )
 from sim.eplb.policy import rebalance
 from sim.eplb.state import EplbError, ModelShape, Placement, check_weights, fill_weights
@@ -113,6 +114,41 @@ def test_stage_then_move_from_buffer_with_a_received_row() -> None:
         b[1].fill_(2 + t * 0.25)
     move_from_buffer(weights[0], buffer, plan)
     assert check_weights(weights, new, 0) == []
+
+
+def test_a_layers_local_copies_are_issued_before_its_transfer_context_as_vllm_does() -> None:
+    """vLLM 0.33.0's move_to_buffer stages the layer's local copies into the buffer, then calls
+    set_transfer_context (whose ROCm branch synchronizes the stream, so it waits for them too), then the sends,
+    recvs and execute."""
+    shape = ModelShape(1, 3, 2)
+    old, new = Placement([[0, 1, 2, 0]], 2), Placement([[1, 2, 0, 1]], 2)
+    plan = plan_layer(old, new, 0, 0)
+    weights = weights_for(shape, old, 0)
+    buffer = [torch.zeros_like(t) for t in weights[0]]
+    seen: list[str] = []
+
+    class Stream:
+        def submit(self, op, what: str) -> None:
+            seen.append(what)
+            op()
+
+    class Comm:
+        def set_transfer_context(self, old_indices, layer: int) -> None:
+            seen.append("set_transfer_context")
+
+        def add_send(self, tensors, dst: int, expert_id: int) -> None:
+            seen.append("add_send")
+
+        def add_recv(self, tensors, src: int, expert_id: int) -> None:
+            seen.append("add_recv")
+
+        def execute(self) -> None:
+            seen.append("execute")
+
+    transfer_layer(Comm(), 0, layer_indices(old, new, 0)[0], weights[0], buffer, plan,
+                   lambda tensors, row: [t[row] for t in tensors],
+                   Stream())
+    assert seen[:2] == ["stage layer 0", "set_transfer_context"] and seen[-1] == "execute"
 
 
 # ------------------------------------------------------------------------------------------------ elastic moves
