@@ -318,6 +318,11 @@ class RealCluster(Engine):
         w.alive = False
         self.record("process.exit", pid=pid, code=w.proc.exitcode)
 
+    def rocm(self) -> bool:
+        import torch
+
+        return self.device == "cuda" and getattr(torch.version, "hip", None) is not None
+
     def reconfigured(self, members: list[int]) -> None:
         self.record("engine.reconfigured", members=list(members))
 

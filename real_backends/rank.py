@@ -252,7 +252,7 @@ class RealWorker:
             finally:  # a copy that raised is a crash, reported; the async thread must not wait for ever behind it
                 consumed.set()
 
-    def do_rearrange(self, old, new, mapping, use_async: bool, stream_lag_s: float = 0.0) -> None:
+    def do_rearrange(self, old, new, mapping, use_async: bool, stream_lag_s: float = 0.0, skip: bool = False) -> None:
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -261,6 +261,9 @@ class RealWorker:
         self._rearrange_started = time.perf_counter()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
+        if skip:  # as the simulation's worker
+            self.history("eplb.skipped")
+            return
         stream = _LaggingStream(stream_lag_s, self.weights[0][0].device) if stream_lag_s > 0 else None
         if use_async:
             self.rebalanced = True

@@ -214,12 +214,17 @@ class Worker:
         consumed, self.consumed = self.consumed, None
         consumed.succeed()
 
-    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None, use_async: bool) -> None:
+    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None, use_async: bool,
+                     skip: bool = False) -> None:
         """EPLB rearrange: all-reduce the load, then move every layer through the communicator (``use_async``: on
-        the async EPLB thread, at most one layer per forward step, while the main thread keeps serving)."""
+        the async EPLB thread, at most one layer per forward step, while the main thread keeps serving; ``skip``:
+        the policy's placement gains too little, nothing moves)."""
         self.join_async()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
+        if skip:
+            self.history("eplb.skipped")
+            return
         if use_async:
             self.rebalanced = True
             self.async_thread = self.kernel.spawn(self.other_thread_name(), self._move, old, new, mapping, True,

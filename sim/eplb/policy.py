@@ -172,3 +172,21 @@ def balancedness(load: np.ndarray, placement: Placement) -> float:
     if worst == 0.0:
         return 1.0
     return min(1.0, float(per_rank.mean(axis=1).sum()) / worst)  # mean <= max; clamp float rounding
+
+
+# vLLM 0.33.0 on ROCm skips a periodic synchronous rebalance that would not cut the rank load imbalance by this much
+# (EplbState.rearrange: "Skip rearrange: ... (no material gain)").
+ROCM_MIN_GAIN = 0.05
+
+
+def rank_load_imbalance(load: np.ndarray, placement: Placement) -> float:
+    """vLLM's ROCm measure: the most loaded rank's tokens over the mean, summed over every layer (1.0: no load)."""
+    per_rank = rank_loads(load, placement).sum(axis=0)
+    mean = float(per_rank.mean())
+    return 1.0 if mean == 0.0 else float(per_rank.max()) / mean
+
+
+def gains_enough(load: np.ndarray, current: Placement, proposed: Placement, threshold: float = ROCM_MIN_GAIN) -> bool:
+    """Whether ``proposed`` cuts :func:`rank_load_imbalance` by at least ``threshold`` relative to ``current``."""
+    now = rank_load_imbalance(load, current)
+    return (now - rank_load_imbalance(load, proposed)) / now >= threshold

@@ -60,11 +60,34 @@ def test_a_lagging_stream_corrupts_vllm_0_33_0s_weights_on_cuda(released) -> Non
 def test_vllms_rocm_branch_waits_for_the_stream_through_torch_accelerator(released) -> None:
     """On ROCm vLLM 0.33.0 calls torch.accelerator.current_stream().synchronize() before its READs; the simulated
     stream answers that spelling too, so the same lag that corrupts CUDA's weights is harmless there (steady: no
-    reconfiguration, whose second registration rocm-strict refuses)."""
+    reconfiguration, whose second registration rocm-strict refuses).  ROCm skips a rebalance that cuts the rank
+    imbalance by under 5%, which every rebalance of the default steady load is: a sharper load makes some move."""
+    from sim.scenario import with_overrides
+
+    sc = with_overrides(load("steady"), **{"model.layers": 2, "serving.skew": 4.0, "serving.top_k": 1})
     lag = ["device.stream_lag:delay_s=0.01"]
-    assert run("steady", profile="cuda", faults=lag).invariant == "expert_weights"
-    r = run("steady", profile="rocm-strict", faults=lag)
-    assert r.verdict == "pass" and r.faults_fired, r.detail
+    assert run_scenario(sc, strategy="vllm", profile="cuda", faults=lag).invariant == "expert_weights"
+    r = run_scenario(sc, strategy="vllm", profile="rocm-strict", faults=lag)
+    assert r.verdict == "pass" and r.faults_fired and r.metrics["transfers"] > 0, r.detail
+
+
+def test_rocm_skips_a_rebalance_that_gains_under_five_percent() -> None:
+    """vLLM 0.33.0's EplbState.rearrange on ROCm: a synchronous periodic rebalance whose placement cuts the rank
+    load imbalance (summed over layers) by under 5% moves nothing; the same runs move experts on CUDA."""
+    from sim.cluster import Cluster
+
+    def rebalances(profile: str):
+        c = Cluster(load("steady"), seed=0, strategy="per-communicator-agent", profile=profile)
+        c.run()
+        out = [f.get("skipped", False) for _, kind, f in c.kernel.history.records if kind == "engine.rebalance"]
+        skipped = sum(kind == "eplb.skipped" for _, kind, _ in c.kernel.history.records)
+        c.kernel.close()
+        return out, skipped
+
+    rocm, rocm_skipped = rebalances("rocm-strict")
+    cuda, cuda_skipped = rebalances("cuda")
+    assert rocm and all(rocm) and rocm_skipped == 2 * len(rocm)  # every rank, every rebalance
+    assert not any(cuda) and cuda_skipped == 0
 
 
 def test_the_seeds_change_on_vllms_class(released) -> None:
