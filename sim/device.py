@@ -15,7 +15,9 @@ it, and a READ completing in between sees the buffer as it was.  ``torch.cuda.cu
 ``torch.cuda.synchronize()`` are this model inside a run (:func:`installed`); a synchronization waits, in simulated
 time, until the stream has run everything issued, so a strategy that synchronizes before posting its READs is
 exercised as it would run on a GPU.  Readers ordered with the stream (the next forward step, and with it the
-weight check after a rebalance) see every copy issued before them.
+weight check after a rebalance) see every copy issued before them.  Without a fault, ``serving.host_ahead_steps``
+leaves forward work queued on the stream after every serving step (:meth:`DeviceStream.backlog`), as a host that
+runs ahead of its GPU does; copies issued then wait behind it.
 """
 
 from __future__ import annotations
@@ -40,12 +42,18 @@ class DeviceStream:
     def __repr__(self) -> str:
         return f"<DeviceStream pid={self.pid} lag={self.lag_s:g} s pending={len(self._queue)}>"
 
+    def backlog(self, seconds: float) -> None:
+        """The host returned from launching forward work that keeps the stream busy ``seconds`` from now: a copy
+        issued before then runs after it (the stream is in order)."""
+        if seconds > 0.0:
+            self._busy_until = max(self._busy_until, self.kernel.now() + seconds)
+
     def submit(self, op: Callable[[], None], what: str) -> None:
         """Issue ``op`` (a copy) on the stream: it runs now if the stream keeps up, else when its turn comes."""
-        if self.lag_s <= 0.0 and not self._queue:
+        now = self.kernel.now()
+        if self.lag_s <= 0.0 and not self._queue and self._busy_until <= now:
             op()
             return
-        now = self.kernel.now()
         self._busy_until = max(now, self._busy_until) + self.lag_s
         self._issued += 1
         self._queue.append((self._issued, op, what))
@@ -64,10 +72,12 @@ class DeviceStream:
 
     def synchronize(self, reason: str = "synchronize") -> None:
         """``torch.cuda.Stream.synchronize``: the calling thread waits until the stream has run everything issued."""
+        wait = self._busy_until - self.kernel.now()
         if not self._queue:
+            if wait > 0 and self.kernel.current() is not None:  # forward work only: wait for it, record nothing
+                self.kernel.sleep(wait, "stream synchronize (forward work)")
             return
         copies, first = len(self._queue), self._queue[0][2]
-        wait = self._busy_until - self.kernel.now()
         if wait > 0 and self.kernel.current() is not None:
             self.kernel.sleep(wait, f"stream synchronize ({copies} copies)")
         self._drain("device.sync", reason, copies, first)

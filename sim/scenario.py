@@ -142,6 +142,11 @@ class ServingConfig(_Strict):
     top_k: int = Field(8, ge=1, description="experts per token")
     skew: float = Field(1.2, ge=0, le=100.0, description="Zipf exponent of expert popularity")
     drift_every_steps: int = Field(0, ge=0, description="re-draw popularity every N steps; 0: never")
+    host_ahead_steps: float = Field(
+        0.0, ge=0, le=100.0,
+        description="forward work still queued on a GPU's stream when the host runs EPLB after a forward step, in "
+                    "steps (vLLM's host launches work ahead of the GPU); applies where the world's memory is "
+                    "device memory (the cuda and rocm-strict profiles)")
 
 
 EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]

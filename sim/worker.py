@@ -61,6 +61,12 @@ class Worker:
         self.load = LoadWindow(sc.model.layers, sc.model.experts, max(1, sc.eplb.window))
         self._rows = move.RowViews()
         self.stream = cluster.streams[pid] = DeviceStream(cluster.kernel, pid)  # where the row copies run
+        # The forward work a serving step leaves queued on a GPU's stream when the host moves on to EPLB (none
+        # where the world's memory is host memory: no GPU stream orders anything there).
+        from fakes.nixl.profiles import PROFILES
+
+        ahead = sc.serving.host_ahead_steps * sc.serving.step_time_s
+        self._ahead_s = ahead if PROFILES[cluster.profile].vram_ok else 0.0
         self.inbox = cluster.kernel.env.event()
         self._queue: list[Command] = []
         self.async_thread = None
@@ -176,6 +182,7 @@ class Worker:
         step = self.cluster.scenario.serving.step_time_s
         if not self.rebalanced:
             self.kernel.sleep(steps * step, "serving")
+            self.stream.backlog(self._ahead_s)
         else:
             # While a rebalance is in flight vLLM's EplbState.step runs after every forward step: an all_reduce on
             # the EP group of whether this rank's async thread has staged its layer; when every rank has, each
@@ -184,9 +191,11 @@ class Worker:
             while done < steps and self.rebalanced:
                 done += 1
                 self.kernel.sleep(start + done * step - self.kernel.now(), "serving")
+                self.stream.backlog(self._ahead_s)
                 self._eplb_step()
             if done < steps:
                 self.kernel.sleep(start + steps * step - self.kernel.now(), "serving")
+                self.stream.backlog(self._ahead_s)
         self.load.record(loads, steps)
 
     def _ep_group(self):

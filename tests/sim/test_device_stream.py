@@ -90,6 +90,37 @@ def test_each_copy_waits_the_lag_behind_the_one_before_it() -> None:
     assert stream.query()
 
 
+def test_forward_work_left_on_the_stream_delays_the_copies_issued_behind_it() -> None:
+    """serving.host_ahead_steps: the host returns from a forward step with work still queued; a copy issued then
+    runs once that work is done, and a synchronize with no copy queued still waits for it."""
+    kernel, stream = _stream_world()
+    ran: list[tuple[str, float]] = []
+    waited: list[float] = []
+
+    def rank() -> None:
+        stream.backlog(0.25)
+        stream.submit(lambda: ran.append(("copy", kernel.now())), "copy")
+        assert ran == [] and not stream.query()
+        kernel.sleep(0.5, "serving")
+        stream.backlog(0.25)  # the next step's work: busy until 0.75 s
+        stream.synchronize("test")
+        waited.append(kernel.now())
+        stream.submit(lambda: ran.append(("after", kernel.now())), "after")  # the stream is idle: runs at once
+
+    kernel.spawn("rank", rank, pid=7)
+    kernel.run()
+    assert ran == [("copy", 0.25), ("after", 0.75)] and waited == [0.75]
+
+
+def test_no_work_is_left_queued_on_host_memory_profiles() -> None:
+    from sim.scenario import with_overrides
+
+    sc = with_overrides(load("scale-up"), **{"serving.host_ahead_steps": 0.2})
+    assert run_scenario(sc, strategy="per-communicator-agent", profile="dram").verdict == "pass"
+    cuda = run_scenario(sc, strategy="per-communicator-agent", profile="cuda")
+    assert (cuda.verdict, cuda.invariant) == ("safety", "expert_weights") and not cuda.faults_fired
+
+
 def test_synchronize_waits_for_the_stream_and_a_reader_flushes_it() -> None:
     kernel, stream = _stream_world()
     ran: list[tuple[str, float]] = []
