@@ -64,6 +64,9 @@ class Engine:
         self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
         self._route_epoch = -1
         self._route_probs: np.ndarray | None = None
+        # The load the last rebalance placed experts for (vLLM's last_expert_load, ones before the first): the
+        # reshuffle of an elastic reconfiguration places for it, not for the current window.
+        self._last_load = np.ones((m.layers, m.experts), dtype=np.int64)
         self._window_reads: list[int] = []  # steps at which a rebalance will read the load window (serve() splits)
         # (what, start, end) of every rebalance and reconfiguration in the world's time; not in the history, so a
         # calibration can compare worlds without changing any trace.
@@ -195,7 +198,10 @@ class Engine:
         # vLLM counts the nodes of the ranks the placement is for (a scale-down: the survivors); ranks fill nodes
         # in order.
         nodes = -(-size // self.scenario.gpus_per_node)
-        load = self.total_load(self.members)
+        # vLLM's _perform_eplb_reshuffle (both directions) asks for use_last_expert_load; a periodic rebalance reads
+        # the window.
+        load = self._last_load if mapping is not None else self.total_load(self.members)
+        self._last_load = load
         new = policy.rebalance(load, self.shape, size, previous=old, num_nodes=nodes)
         if size == old.ep_size and new == old:
             new = old

@@ -37,7 +37,7 @@ def test_scale_up_lifecycle_history_is_literal() -> None:
     # count.  The interval restarts at the reshuffle (step 1020, after 20 steps of PREPARE), as vLLM resets
     # expert_rearrangement_step after it.
     assert engine == [(6.25, "rebalance", 125), (31.26, "rebalance", 625), (50.02, "scale_up", 1000),
-                      (51.02, "rebalance", 1020), (76.04, "rebalance", 1520), (101.06, "rebalance", 2020),
+                      (51.02, "rebalance", 1020), (76.04, "rebalance", 1520), (101.05, "rebalance", 2020),
                       (126.06, "rebalance", 2520), (150.07, "rebalance", 3000), (150.09, "shutdown", 3000)]
     swaps = [(round(t, 2), f["pid"]) for t, kind, f in c.kernel.history.records if kind == "comm.swap"]
     assert sorted(p for _, p in swaps) == [0, 1] and all(t == 51.02 for t, _ in swaps)
@@ -527,7 +527,7 @@ def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
 
 @pytest.mark.parametrize("fault, strategy, verdict, fired", [
     ("gc.late:at_step=1010", "per-communicator-agent", "pass", 2),  # the old communicators dropped at the commit
-    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 138),  # every READ from the reshuffle on
+    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 132),  # every READ from the reshuffle on
     ("storage.move:at_step=1010", "shared-agent", "crash", 2),  # the buffer moved under PREPARE's new communicator
 ])
 def test_a_fault_due_while_an_elastic_event_serves_applies_to_the_event(fault, strategy, verdict, fired) -> None:
