@@ -101,10 +101,16 @@ def current(streams: dict[int, DeviceStream], kernel) -> DeviceStream | None:
     return streams.get(thread.pid) if thread is not None else None
 
 
+# What ``torch.version.hip`` reads inside a run on a ROCm profile: the simulated ranks run on ROCm, and code under
+# test that asks torch (vLLM's platform check, the built-in strategies) takes its ROCm path.
+SIMULATED_HIP = "6.4.0 (simulated by epsim)"
+
+
 @contextlib.contextmanager
-def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
+def installed(streams: dict[int, DeviceStream], kernel, rocm: bool = False) -> Iterator[None]:
     """``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()`` (and their ``torch.accelerator`` forms) answer
-    with the running process's simulated stream while the block runs (code outside a simulated process gets torch's own)."""
+    with the running process's simulated stream while the block runs (code outside a simulated process gets torch's
+    own); with ``rocm``, ``torch.version.hip`` says the ranks run on ROCm."""
     import torch
     import torch.cuda as cuda
 
@@ -122,6 +128,9 @@ def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
             stream.synchronize("torch.cuda.synchronize")
 
     cuda.current_stream, cuda.synchronize = current_stream, synchronize
+    saved_hip = torch.version.hip
+    if rocm:
+        torch.version.hip = SIMULATED_HIP
     # torch.accelerator is the device-neutral spelling (vLLM's ROCm path synchronises through it).
     accelerator = getattr(torch, "accelerator", None)
     saved_acc = (accelerator.current_stream, accelerator.synchronize) if accelerator is not None else None
@@ -130,6 +139,7 @@ def installed(streams: dict[int, DeviceStream], kernel) -> Iterator[None]:
     try:
         yield
     finally:
+        torch.version.hip = saved_hip
         cuda.current_stream, cuda.synchronize = saved
         if saved_acc is not None:
             accelerator.current_stream, accelerator.synchronize = saved_acc

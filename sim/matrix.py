@@ -244,8 +244,8 @@ def render_stream_lag(all_cells: list[StreamCell]) -> str:
             f"The same without a fault, with `serving.host_ahead_steps={HOST_AHEAD_STEPS}`: each forward step leaves "
             f"{HOST_AHEAD_STEPS} steps of work (10 ms of the scenarios' 50 ms steps) queued on the stream when the "
             "host goes on to EPLB, as vLLM's host runs ahead of its forward passes; EPLB's copies then queue behind "
-            "it. The default is 0 (no queued work) until the built-in strategies model vLLM 0.33.0's ROCm branch, "
-            "which synchronizes.", ""]
+            "it. The default is 0 (no queued work): how far ahead vLLM's host runs in a deployment is not measured "
+            "here.", ""]
     out += _table(["strategy", *SCENARIOS],
                   [["shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy,
                     *(c.short for c in ahead if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])

@@ -200,3 +200,18 @@ def test_torch_cuda_is_the_simulated_stream_only_inside_a_simulated_process() ->
                 torch.cuda.current_stream()
     assert seen == [stream]
     assert (torch.cuda.current_stream, torch.cuda.synchronize) == before
+
+
+@pytest.mark.parametrize("strategy", ["per-communicator-agent", "arena-registry", "shared-agent"])
+def test_the_builtin_strategies_take_vllms_rocm_branch_on_rocm(strategy: str) -> None:
+    """vLLM 0.33.0 synchronizes the stream in set_transfer_context on ROCm only; the built-in models do the same
+    where torch says the ranks run on ROCm (the rocm-strict profile), so a lagging stream is harmless there and
+    corrupts the weights on cuda.  A sharper load than steady's: ROCm skips rebalances that gain under 5%."""
+    from sim.scenario import with_overrides
+
+    sc = with_overrides(load("steady"), **{"model.layers": 2, "serving.skew": 4.0, "serving.top_k": 1})
+    lag = ["device.stream_lag:delay_s=0.01"]
+    rocm = run_scenario(sc, strategy=strategy, profile="rocm-strict", faults=lag)
+    assert rocm.verdict == "pass" and rocm.metrics["transfers"] > 0, rocm.detail
+    assert run_scenario(sc, strategy=strategy, profile="cuda", faults=lag).invariant == "expert_weights"
+    assert torch.version.hip is None  # the run's ROCm is gone with the run

@@ -146,6 +146,10 @@ class NixlReadCommunicator(EplbCommunicator):
         if not self._remote_ready:
             self._init_remote_state()
         assert not self._xfer_handles, "set_transfer_context with transfers still pending"
+        if getattr(torch.version, "hip", None):
+            # vLLM 0.33.0's ROCm branch: NIXL READs bypass device streams, so wait for the copies still queued out
+            # of the receive buffer before this layer's READs overwrite it (its CUDA path does not).
+            torch.cuda.current_stream().synchronize()
         self._old_indices = old_indices.tolist() if hasattr(old_indices, "tolist") else list(old_indices)
         self._layer_idx = int(layer_idx)
 
