@@ -150,11 +150,10 @@ class ServingConfig(_Strict):
 
 
 EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]
-# The vLLM revision whose worker lifecycle the engine follows (docs/simulation.md, "The lifecycle, step by step").
+# The vLLM revision whose worker lifecycle the engine follows (docs/simulation.md, "The lifecycle, as vLLM runs it").
 # 0.33.0: as released.  pr-53947: the revision with abort_reconfiguration, which epsim first modelled: workers take
 # an ABORT, and COMMIT collects once, before the swap.
 Lifecycle = Literal["0.33.0", "pr-53947"]
-LIFECYCLES: tuple[str, ...] = ("0.33.0", "pr-53947")
 
 
 class All2AllConfig(_Strict):
