@@ -252,8 +252,8 @@ class Cluster(Engine):
             plugins.forget_instances(self._modules_before)
 
     def _run(self) -> None:
-        with fakes.installed(self.fabric), torch_dist.installed(), device.installed(self.streams, self.kernel, rocm=self.rocm()), \
-                self._deep_ep():
+        with fakes.installed(self.fabric), torch_dist.installed(), \
+                device.installed(self.streams, self.kernel, rocm=self.rocm()), self._deep_ep():
             self.kernel.spawn("engine", self.engine, pid=ENGINE_PID)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.
