@@ -178,8 +178,8 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "MI355's build refuses to initialise again. The cleanup runs on a background thread while the new "
             "group serves, so the two race: where a rank makes its new buffer before its cleanup destroyed the old "
             "one, the run fails under the patch too; the seeded tie-break decides it (over seeds 0-23, once in "
-            "scale-down and three times in elastic-cycle, never at this seed), and a cleanup 5 s late makes it happen at every seed. A late "
-            "cleanup leaves an old buffer alive, and the new buffer's init only bumps the old world's count, patch "
+            "scale-down and three times in elastic-cycle, never at this seed), and a cleanup 5 s late makes it "
+            "happen at every seed. A late cleanup leaves an old buffer alive, and the new buffer's init only bumps the old world's count, patch "
             "or not. Intranode high throughput never touches NVSHMEM, but its buffers have no strong reference "
             "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP "
             "warns; the cleanup finds an empty cache), the first problem of every high-throughput run that "
@@ -209,13 +209,16 @@ HOST_AHEAD_STEPS = 0.2
 def run_stream_lag() -> list[StreamCell]:
     from .scenario import with_overrides
 
-    lagged = [StreamCell(strategy, name, run_scenario(load(name), seed=SEED, strategy=strategy,
-                                                      profile=STREAM_PROFILE, faults=[STREAM_FAULT]))
-              for strategy in STREAM_STRATEGIES for name in SCENARIOS]
-    ahead = [StreamCell(strategy, name, run_scenario(with_overrides(load(name), **{
-        "serving.host_ahead_steps": HOST_AHEAD_STEPS}), seed=SEED, strategy=strategy, profile=STREAM_PROFILE), "ahead")
-             for strategy in STREAM_STRATEGIES for name in SCENARIOS]
-    return lagged + ahead
+    modes = (("lag", {}, [STREAM_FAULT]), ("ahead", {"serving.host_ahead_steps": HOST_AHEAD_STEPS}, []))
+    return [StreamCell(strategy, name, run_scenario(with_overrides(load(name), **overrides), seed=SEED,
+                                                    strategy=strategy, profile=STREAM_PROFILE, faults=faults), mode)
+            for mode, overrides, faults in modes for strategy in STREAM_STRATEGIES for name in SCENARIOS]
+
+
+def _stream_table(cells: list[StreamCell]) -> list[str]:
+    return _table(["strategy", *SCENARIOS],
+                  [["shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy,
+                    *(c.short for c in cells if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])
 
 
 def render_stream_lag(all_cells: list[StreamCell]) -> str:
@@ -227,9 +230,7 @@ def render_stream_lag(all_cells: list[StreamCell]) -> str:
            f"behind its copies for every rebalance, as a busy GPU does (`sim/device.py`); {STREAM_PROFILE} profile, "
            f"seed {SEED}. The last row is shared-agent with `torch.cuda.current_stream().synchronize()` before each "
            f"layer's READs (`{STREAM_SYNCED}`).", ""]
-    out += _table(["strategy", *SCENARIOS],
-                  [["shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy,
-                    *(c.short for c in cells if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])
+    out += _stream_table(cells)
     out += ["", "What the cells say. A layer's READs land in `expert_buffer` while the previous layer's copy out of "
             "it still waits on the stream, so a row ends up holding a later layer's expert: every built-in strategy "
             "fails the weight check in every scenario, whatever its agent lifecycle. The synchronized variant "
@@ -246,9 +247,7 @@ def render_stream_lag(all_cells: list[StreamCell]) -> str:
             "host goes on to EPLB, as vLLM's host runs ahead of its forward passes; EPLB's copies then queue behind "
             "it. The default is 0 (no queued work): how far ahead vLLM's host runs in a deployment is not measured "
             "here.", ""]
-    out += _table(["strategy", *SCENARIOS],
-                  [["shared-agent + stream synchronize" if strategy == STREAM_SYNCED else strategy,
-                    *(c.short for c in ahead if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])
+    out += _stream_table(ahead)
     out += ["", "What the cells say. The same race with no injected fault: with about 10 ms of forward work ahead "
             "of EPLB's copies, a layer's READs overwrite `expert_buffer` before the previous layer's copy out of "
             "it runs, in every scenario that rebalances, vLLM 0.33.0's own code included; synchronizing the stream "
