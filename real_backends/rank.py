@@ -100,6 +100,24 @@ class _LaggingStream:
         self._torch.cuda.current_stream(self._device).synchronize()
 
 
+class _ForwardWork:
+    """The forward work a serving step leaves queued on a GPU's current stream (``serving.host_ahead_steps``): a
+    sleep kernel of ``ahead_s``, launched only when the stream has run everything before it (the simulation's
+    ``DeviceStream.backlog``: busy until at least ``ahead_s`` from now)."""
+
+    def __init__(self, ahead_s: float, device: Any) -> None:
+        import torch
+
+        self._torch, self._device = torch, device
+        self._cycles = max(1, int(ahead_s * _cycles_per_second(device)))
+
+    def launch(self) -> None:
+        stream = self._torch.cuda.current_stream(self._device)
+        if stream.query():
+            with self._torch.cuda.device(self._device):
+                self._torch.cuda._sleep(self._cycles)
+
+
 @functools.lru_cache(maxsize=None)
 def _cycles_per_second(device: Any) -> float:
     """How many ``torch.cuda._sleep`` cycles make a second on ``device`` (measured once per process)."""
@@ -169,6 +187,11 @@ class RealWorker:
         self.exiting = False
         self._rows = move.RowViews()
         self._rearrange_started = 0.0
+        # The forward work a serving step leaves queued on the GPU when the host goes on to EPLB (the simulation's
+        # serving.host_ahead_steps, in the scenario's own seconds): a sleep kernel, launched only when the stream
+        # has caught up, so that it is at most that far behind however fast the scaled steps below run.
+        ahead = self.sc.serving.host_ahead_steps * self.sc.serving.step_time_s
+        self._forward_work = _ForwardWork(ahead, device) if ahead > 0 and device.type == "cuda" else None
 
     def history(self, kind: str, **fields: Any) -> None:
         self.link.emit(kind, pid=self.pid, **fields)
@@ -224,8 +247,14 @@ class RealWorker:
         while done < steps and self.rebalanced:
             done += 1
             time.sleep(step)
+            self._queue_forward_work()
             self._eplb_step()
+        self._queue_forward_work()
         self.load.record(loads, steps)
+
+    def _queue_forward_work(self) -> None:
+        if self._forward_work is not None:
+            self._forward_work.launch()
 
     def _eplb_step(self) -> None:
         import torch

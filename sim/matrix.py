@@ -23,6 +23,10 @@ MATRIX_STRATEGIES = (*STRATEGIES, *VLLM_STRATEGIES)
 PROFILES = ("dram", "cuda", "rocm-strict")
 SCENARIOS = ("steady", "scale-up", "scale-down", "elastic-cycle", "abort", "rank-failure")
 GC_FAULTS = ("", "gc.late:delay_s=2", "gc.cycle", "gc.thread", "gc.never")
+# The GC matrix runs the cuda profile with the host in step with the GPU (vLLM without async scheduling): under
+# vLLM's defaults every rebalance on CUDA corrupts expert weights (the stream section), which would hide the agent
+# lifecycle that the GC faults probe.
+GC_PROFILE_OVERRIDES = {"cuda": {"serving.async_scheduling": False}}
 SEED = 0
 # The other lifecycle revision, where a scenario follows 0.33.0 (abort follows pr-53947 already: 0.33.0's workers
 # take no ABORT).
@@ -103,8 +107,9 @@ def run_matrix(scenarios=SCENARIOS, strategies=MATRIX_STRATEGIES, profiles=PROFI
             sc = with_overrides(sc, **{"eplb.use_async": True})
         for strategy in strategies:
             for profile in profiles:
+                psc = with_overrides(sc, **GC_PROFILE_OVERRIDES[profile]) if profile in GC_PROFILE_OVERRIDES else sc
                 for fault in faults:
-                    r = run_scenario(sc, seed=SEED, strategy=strategy, profile=profile,
+                    r = run_scenario(psc, seed=SEED, strategy=strategy, profile=profile,
                                      faults=[fault] if fault else [])
                     cells.append(Cell(name, strategy, profile, fault, r))
     return cells
@@ -198,21 +203,22 @@ class StreamCell(_Verdict):
     strategy: str
     scenario: str
     result: Result
-    mode: str = "lag"  # "lag": STREAM_FAULT armed; "ahead": no fault, the host HOST_AHEAD_STEPS ahead of the stream
+    mode: str = "defaults"  # the STREAM_MODES entry it ran under
 
 
-# Forward work still queued on the stream when the host runs EPLB, in steps (serving.host_ahead_steps): 0.2 steps of
-# the built-in scenarios' 50 ms, 10 ms, the lag the injected fault uses too.
-HOST_AHEAD_STEPS = 0.2
+# The stream tables: vLLM's defaults (async scheduling on: a step's forward work is still queued when EPLB runs),
+# the same with async EPLB, and the injected lag alone (the host in step with the GPU, so only the fault decides).
+STREAM_MODES = (
+    ("defaults", {}, []),
+    ("defaults, async EPLB", {"eplb.use_async": True}, []),
+    ("lag", {"serving.async_scheduling": False}, [STREAM_FAULT]),
+)
 
 
 def run_stream_lag() -> list[StreamCell]:
-    from .scenario import with_overrides
-
-    modes = (("lag", {}, [STREAM_FAULT]), ("ahead", {"serving.host_ahead_steps": HOST_AHEAD_STEPS}, []))
     return [StreamCell(strategy, name, run_scenario(with_overrides(load(name), **overrides), seed=SEED,
                                                     strategy=strategy, profile=STREAM_PROFILE, faults=faults), mode)
-            for mode, overrides, faults in modes for strategy in STREAM_STRATEGIES for name in SCENARIOS]
+            for mode, overrides, faults in STREAM_MODES for strategy in STREAM_STRATEGIES for name in SCENARIOS]
 
 
 def _stream_table(cells: list[StreamCell]) -> list[str]:
@@ -221,39 +227,55 @@ def _stream_table(cells: list[StreamCell]) -> list[str]:
                     *(c.short for c in cells if c.strategy == strategy)] for strategy in STREAM_STRATEGIES])
 
 
-def render_stream_lag(all_cells: list[StreamCell]) -> str:
-    cells = [c for c in all_cells if c.mode == "lag"]
-    ahead = [c for c in all_cells if c.mode == "ahead"]
-    out = ["## The CUDA stream dimension", "",
-           f"EPLB's row copies (into `expert_buffer`, and `move_from_buffer` out of it) run on each rank's CUDA "
-           f"stream, and a NIXL READ is not ordered after that stream. `{STREAM_FAULT}` puts the stream 10 ms "
-           f"behind its copies for every rebalance, as a busy GPU does (`sim/device.py`); {STREAM_PROFILE} profile, "
-           f"seed {SEED}. The last row is shared-agent with `torch.cuda.current_stream().synchronize()` before each "
-           f"layer's READs (`{STREAM_SYNCED}`).", ""]
-    out += _stream_table(cells)
-    out += ["", "What the cells say. A layer's READs land in `expert_buffer` while the previous layer's copy out of "
-            "it still waits on the stream, so a row ends up holding a later layer's expert: every built-in strategy "
-            "fails the weight check in every scenario, whatever its agent lifecycle. The synchronized variant "
-            "fails only where shared-agent fails without a lag (departed peers kept; the rank that never answers). "
-            "On an H200 pair the same lag on scale-up 2->3 gives the simulation's verdict, and in five runs of six "
-            "its first wrong row; the race has also happened with no lag at all, twice on H200 pairs and six times in "
-            "three validations on one H200 shared by every rank (`docs/validation.md`).",
-            "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
-    out += _first_of_each_kind(cells, lambda c: (c.result.invariant, c.strategy == STREAM_SYNCED),
+def _stream_kinds(cells: list[StreamCell]) -> list[str]:
+    return _first_of_each_kind(cells, lambda c: (c.result.invariant, c.strategy == STREAM_SYNCED),
                                lambda c: f"{c.strategy} / {c.scenario}")
-    out += ["", "### The host ahead of the stream, no fault", "",
-            f"The same without a fault, with `serving.host_ahead_steps={HOST_AHEAD_STEPS}`: each forward step leaves "
-            f"{HOST_AHEAD_STEPS} steps of work (10 ms of the scenarios' 50 ms steps) queued on the stream when the "
-            "host goes on to EPLB, as vLLM's host runs ahead of its forward passes; EPLB's copies then queue behind "
-            "it. The default is 0 (no queued work): how far ahead vLLM's host runs in a deployment is not measured "
-            "here.", ""]
-    out += _stream_table(ahead)
-    out += ["", "What the cells say. The same race with no injected fault: with about 10 ms of forward work ahead "
-            "of EPLB's copies, a layer's READs overwrite `expert_buffer` before the previous layer's copy out of "
-            "it runs, in every scenario that rebalances, vLLM 0.33.0's own code included; synchronizing the stream "
-            "before the READs leaves only shared-agent's own findings. On GPUs the race has happened with no "
-            "injected lag through epsim's real backend, whose serving keeps the stream busy (`docs/validation.md`); "
-            "how far ahead vLLM's host runs in a deployment is for a GPU run to measure.", ""]
+
+
+def render_stream_lag(all_cells: list[StreamCell]) -> str:
+    mode = {m: [c for c in all_cells if c.mode == m] for m, _, _ in STREAM_MODES}
+    out = ["## The CUDA stream dimension: the copy/READ race under vLLM's defaults", "",
+           "EPLB's row copies (the local copies into `expert_buffer`, and `move_from_buffer` out of it) are "
+           "`non_blocking` copies on the rank's current CUDA stream, while a NIXL READ is posted from the host and "
+           "lands in no order with that stream. vLLM 0.33.0's `NixlEplbCommunicator` synchronizes the stream "
+           "before a layer's READs only on ROCm (`set_transfer_context`, `eplb_communicator.py`). With async "
+           "scheduling, on by default (`VllmConfig` turns it on unless an option is incompatible: "
+           "`config/vllm.py`), `eplb_step` runs at the end of `sample_tokens` before the GPU has run the step "
+           "(the bookkeeping does not wait for the sampled tokens: `v1/worker/gpu_model_runner.py`), so EPLB's "
+           "copies queue behind that step's forward work. The simulation leaves one step of forward work (50 ms "
+           "here) on each rank's stream after every step (`serving.host_ahead_steps`, derived from "
+           "`serving.async_scheduling`; `sim/device.py`). No fault is armed in the first two tables; "
+           f"{STREAM_PROFILE} profile, seed {SEED}. The last row is shared-agent with "
+           f"`torch.cuda.current_stream().synchronize()` before each layer's READs (`{STREAM_SYNCED}`).", "",
+           "### vLLM's defaults, synchronous EPLB", ""]
+    out += _stream_table(mode["defaults"])
+    out += ["", "### vLLM's defaults, async EPLB (`--set eplb.use_async=true`)", ""]
+    out += _stream_table(mode["defaults, async EPLB"])
+    out += ["", "What the cells say. A layer's READs land in `expert_buffer` while the copy of the layer before out "
+            "of it still waits behind the forward work, so a row ends up holding another layer's expert. "
+            "Synchronous EPLB: the next layer's READs follow the copies with nothing between them. Async EPLB: "
+            "the async thread starts the next layer's READs as soon as the main thread has issued the copies and "
+            "recorded the consumed event (`CpuGpuEvent` orders the thread's stream after it, not its READs). "
+            "Every strategy that does not synchronize fails the weight check wherever it rebalances, vLLM 0.33.0's "
+            "own code included; the synchronized variant keeps only shared-agent's own findings. Without async "
+            "scheduling (`--set serving.async_scheduling=false`) the bookkeeping waits for the step and these "
+            "cells are those of the GC matrix's cuda rows. On GPUs: vLLM 0.33.0's communicator and move loop "
+            "corrupted rows on an H100 with about 10 ms of work queued and none with an idle stream; through "
+            "epsim's real backend (`docs/vllm.md`, \"On a GPU\") synchronous EPLB failed the weight check in every "
+            "run on one H200 shared by three ranks.",
+            "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
+    out += _stream_kinds(mode["defaults"] + mode["defaults, async EPLB"])
+    out += ["", "### An injected lag alone", "",
+            f"`{STREAM_FAULT}` with the host in step with the GPU (`serving.async_scheduling=false`): the stream is "
+            "10 ms behind each of EPLB's copies for every rebalance, as a busy GPU is.", ""]
+    out += _stream_table(mode["lag"])
+    out += ["", "What the cells say. The same race from the lag alone: every built-in strategy fails the weight "
+            "check in every scenario, whatever its agent lifecycle; the synchronized variant fails only where "
+            "shared-agent fails without a lag. On an H200 pair the same lag on scale-up 2->3 gives the "
+            "simulation's verdict, and in five runs of six its first wrong row (`docs/validation.md`).",
+            "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
+    out += _stream_kinds(mode["lag"])
+    out.append("")
     return "\n".join(out)
 
 
@@ -298,7 +320,10 @@ def render(cells: list[Cell]) -> str:
            "the last column (two live agents of one process holding the same pages, on every PREPARE). The",
            "scenarios run synchronous EPLB; with async EPLB (`--set eplb.use_async=true`, vLLM's default: the layers",
            "move on a thread of their own while the group serves, the reshuffle after a scale-up too) every cell",
-           "gives the same verdict, which the same test file checks.",
+           "gives the same verdict, which the same test file checks. The cuda rows run with vLLM's async",
+           "scheduling off (`serving.async_scheduling=false`, the host in step with the GPU): under vLLM's defaults",
+           "every rebalance on CUDA first corrupts expert weights (the CUDA stream section, last), which would hide",
+           "what the GC faults do.",
            ""]
     for name in dict.fromkeys(c.scenario for c in cells):
         sc = load(name)

@@ -142,11 +142,22 @@ class ServingConfig(_Strict):
     top_k: int = Field(8, ge=1, description="experts per token")
     skew: float = Field(1.2, ge=0, le=100.0, description="Zipf exponent of expert popularity")
     drift_every_steps: int = Field(0, ge=0, description="re-draw popularity every N steps; 0: never")
-    host_ahead_steps: float = Field(
-        0.0, ge=0, le=100.0,
+    async_scheduling: bool = Field(
+        True, description="vLLM's --async-scheduling (on by default in 0.33.0): the host does not wait for a step's "
+                          "sampled tokens before it runs EPLB, so that step's forward work is still queued on the GPU")
+    host_ahead_steps: Union[float, None] = Field(
+        None, ge=0, le=100.0,
         description="forward work still queued on a GPU's stream when the host runs EPLB after a forward step, in "
-                    "steps (vLLM's host launches work ahead of the GPU); applies where the world's memory is "
-                    "device memory (the cuda and rocm-strict profiles)")
+                    "steps; default one step with async_scheduling (the host returns from launching the step and "
+                    "its sampling without waiting), none without it (the bookkeeping's .tolist() waits for the "
+                    "sampler); applies where the world's memory is device memory (the cuda and rocm-strict profiles)")
+
+    @model_validator(mode="after")
+    def _derive_ahead(self) -> "ServingConfig":
+        if self.host_ahead_steps is None:
+            # In __dict__, out of model_fields_set: with_overrides re-derives it when async_scheduling changes.
+            self.__dict__["host_ahead_steps"] = 1.0 if self.async_scheduling else 0.0
+        return self
 
 
 EventKind = Literal["scale_up", "scale_down", "abort", "fail_rank"]
@@ -558,6 +569,8 @@ def _data(scenario: Scenario) -> dict[str, Any]:
     data = scenario.model_dump(mode="python")
     if "first_rebalance_step" not in scenario.eplb.model_fields_set:
         del data["eplb"]["first_rebalance_step"]
+    if "host_ahead_steps" not in scenario.serving.model_fields_set:
+        del data["serving"]["host_ahead_steps"]
     return data
 
 

@@ -51,10 +51,17 @@ def test_rocm_refuses_the_second_agents_registration(released) -> None:
 
 
 def test_a_lagging_stream_corrupts_vllm_0_33_0s_weights_on_cuda(released) -> None:
-    """vLLM's NIXL READs do not wait for the stream's copies out of expert_buffer (sim/device.py)."""
-    r = run("scale-up", profile="cuda", faults=["device.stream_lag:delay_s=0.01"])
+    """vLLM's NIXL READs do not wait for the stream's copies out of expert_buffer (sim/device.py): with the host in
+    step with the GPU, an injected lag corrupts them, and so does the forward work that vLLM's default async
+    scheduling leaves queued, without any fault; with neither, the weights are right."""
+    from sim.scenario import with_overrides
+
+    in_step = with_overrides(load("scale-up"), **{"serving.async_scheduling": False})
+    r = run_scenario(in_step, strategy="vllm", profile="cuda", faults=["device.stream_lag:delay_s=0.01"])
     assert (r.verdict, r.invariant) == ("safety", "expert_weights"), r.detail
-    assert run("scale-up", profile="cuda").verdict == "pass"
+    assert run_scenario(in_step, strategy="vllm", profile="cuda").verdict == "pass"
+    r = run("scale-up", profile="cuda")
+    assert (r.verdict, r.invariant, r.faults_fired) == ("safety", "expert_weights", {}), r.detail
 
 
 def test_vllms_rocm_branch_waits_for_the_stream_through_torch_accelerator(released) -> None:

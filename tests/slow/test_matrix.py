@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sim.matrix import (GC_FAULTS, LATER, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STRATEGIES,
-                        STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle, render_stream_lag,
+                        STREAM_MODES, STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle, render_stream_lag,
                         render_vllm, run_deep_ep, run_lifecycle, run_matrix, run_stream_lag)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
@@ -154,7 +154,7 @@ def stream_cells():
     return run_stream_lag()
 
 
-@pytest.mark.parametrize("mode", ["lag", "ahead"])
+@pytest.mark.parametrize("mode", [m for m, _, _ in STREAM_MODES])
 def test_a_stream_behind_breaks_every_builtin_strategy_everywhere(stream_cells, mode) -> None:
     """vLLM's zero-copy data path orders nothing after the stream: with it 10 ms behind (an injected lag, or the
     forward work the host left queued), a later layer's expert ends up in a row in every scenario, whatever the
@@ -165,7 +165,7 @@ def test_a_stream_behind_breaks_every_builtin_strategy_everywhere(stream_cells, 
             assert "of layer" in c.result.detail
 
 
-@pytest.mark.parametrize("mode", ["lag", "ahead"])
+@pytest.mark.parametrize("mode", [m for m, _, _ in STREAM_MODES])
 def test_synchronizing_the_stream_leaves_only_shared_agents_own_findings(stream_cells, cells, mode) -> None:
     synced = [c for c in stream_cells if c.strategy == STREAM_SYNCED and c.mode == mode]
     for c in synced:

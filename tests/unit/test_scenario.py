@@ -153,6 +153,18 @@ def test_defaults(tmp_path):
     assert s.ep_sizes() == [2, 4, 2]
 
 
+def test_host_ahead_follows_async_scheduling_unless_given(tmp_path):
+    """vLLM's async scheduling (on by default) leaves a step's forward work queued when EPLB runs: one step; without
+    it, none; a value given stays, whatever async_scheduling becomes, and a derived one is derived again."""
+    s = S.load(write(tmp_path, SMALL))
+    assert (s.serving.async_scheduling, s.serving.host_ahead_steps) == (True, 1.0)
+    off = S.with_overrides(s, **{"serving.async_scheduling": False})
+    assert off.serving.host_ahead_steps == 0.0
+    assert S.with_overrides(off, **{"serving.async_scheduling": True}).serving.host_ahead_steps == 1.0
+    given = S.with_overrides(off, **{"serving.host_ahead_steps": 0.25})
+    assert S.with_overrides(given, **{"serving.async_scheduling": True}).serving.host_ahead_steps == 0.25
+
+
 def test_first_rebalance_step_explicit(tmp_path):
     s = S.load(write(tmp_path, SMALL.replace("window: 200}", "window: 200, first_rebalance_step: 7}")))
     assert s.eplb.first_rebalance_step == 7
