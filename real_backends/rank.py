@@ -286,6 +286,8 @@ class RealWorker:
         import torch
         import torch.distributed as dist
 
+        if self.sc.lifecycle == "0.33.0":
+            self._postpone_while_in_flight()
         self.join_async()
         self._rearrange_started = time.perf_counter()
         total = torch.from_numpy(self.load.total().astype(np.float64))
@@ -301,11 +303,44 @@ class RealWorker:
         else:
             self._move(old, new, mapping, False, stream)
 
+    def _postpone_while_in_flight(self) -> None:
+        """vLLM 0.33.0: a rebalance due while one is in flight waits for it, the steps going on (as the
+        simulation's worker, with its scaled steps)."""
+        step, steps = self.sc.serving.step_time_s * 0.01, 0
+        while self.rebalanced:
+            steps += 1
+            time.sleep(step)
+            self._queue_forward_work()
+            self._eplb_step()
+        if steps:
+            self.history("eplb.postponed", steps=steps)
+
     def do_drain(self) -> None:
+        if self.sc.lifecycle == "0.33.0":
+            self.drain_async()
         self.join_async()
 
+    def drain_async(self) -> None:
+        """vLLM 0.33.0's ``drain_async`` (as the simulation's worker): the readiness all_reduce over the EP group
+        until the last layer is in, each rank taking the layer when every rank has it, else polling again in 1 ms."""
+        import torch
+        import torch.distributed as dist
+
+        th = self.async_thread
+        if th is None:
+            return
+        while self.rebalanced and th.is_alive():
+            with self.eplb_state:
+                ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
+            dist.all_reduce(ready, group=self.ep_group)
+            if int(ready.item()) == self.ep_group.size():
+                self._take_layer()
+            else:
+                time.sleep(0.001)
+
     def join_async(self) -> None:
-        """vLLM's ``drain_async``: take each layer still to come as the async thread stages it, then join it."""
+        """Take each layer still to come as the async thread stages it, then join it (after 0.33.0's drain, nothing is
+        left; the later revision drains this way alone, at abort, exit and rebalance too)."""
         th, self.async_thread = self.async_thread, None
         if th is None:
             return

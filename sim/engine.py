@@ -281,6 +281,11 @@ class Engine:
             if ok:  # an abort completes the reconfiguration too: the ranks that were to join are gone
                 self.reconfigured(self.members)
             return ok
+        # vLLM 0.33.0 drains async EPLB over the old EP group before the scale-up's commit (broadcast_expert_mapping)
+        # and before the scale-down's reshuffle (perform_scale_down_eplb_reshuffle): a collective of every old rank.
+        if self.scenario.lifecycle == "0.33.0" and self.scenario.eplb.use_async and not self._all("drain",
+                                                                                                   old_members):
+            return False
         if size > len(old_members):  # scale-up: commit, then reshuffle on the new group
             if not self._all("commit", [p for p in old_members]):
                 return False

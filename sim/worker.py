@@ -228,6 +228,8 @@ class Worker:
         """EPLB rearrange: all-reduce the load, then move every layer through the communicator (``use_async``: on
         the async EPLB thread, at most one layer per forward step, while the main thread keeps serving; ``skip``:
         the policy's placement gains too little, nothing moves)."""
+        if self.cluster.scenario.lifecycle == "0.33.0":
+            self._postpone_while_in_flight()
         self.join_async()
         total = torch.from_numpy(self.load.total().astype(np.float64))
         dist.all_reduce(total, group=self.group)
@@ -241,12 +243,48 @@ class Worker:
         else:
             self._move(old, new, mapping, False)
 
+    def _postpone_while_in_flight(self) -> None:
+        """vLLM 0.33.0's ``EplbState.step``: a rebalance that comes due while one is in flight waits (the step
+        counter is not reset); the forward steps go on, each with its readiness all_reduce and take, and the
+        rebalance runs at the first step after the last layer is in.  Every rank is at the same layer (the takes
+        are in lockstep), so they all postpone for the same steps."""
+        if not self.rebalanced:
+            return
+        step, steps = self.cluster.scenario.serving.step_time_s, 0
+        while self.rebalanced:
+            steps += 1
+            self.kernel.sleep(step, "serving (rebalance postponed)")
+            self.stream.backlog(self._ahead_s)
+            self._eplb_step()
+        self.history("eplb.postponed", steps=steps)
+
     def do_drain(self) -> None:
+        if self.cluster.scenario.lifecycle == "0.33.0":
+            self.drain_async()
         self.join_async()
 
+    def drain_async(self) -> None:
+        """vLLM 0.33.0's ``EplbState.drain_async`` (the scale-up commit, the scale-down reshuffle): until the last
+        layer is in, an all_reduce over the EP group of whether each rank has its layer staged; when every rank has,
+        each takes it, else all poll again 1 ms later.  vLLM acknowledges the layer without applying it (a full
+        rearrange follows); epsim applies it, so that the placement stays one map per EP size
+        (docs/simulation.md says why the verdicts are the same)."""
+        th = self.async_thread
+        if th is None:
+            return
+        while self.rebalanced and th.alive:
+            ep = self._ep_group()
+            ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
+            dist.all_reduce(ready, group=ep)
+            if int(ready.item()) == ep.size():
+                self._take_layer()
+            else:
+                self.kernel.sleep(0.001, "draining async EPLB")
+
     def join_async(self) -> None:
-        """vLLM's ``drain_async``: take every layer still to come as the async thread stages it (this rank alone,
-        no collective), then wait for the thread to finish its checks."""
+        """Take every layer still to come as the async thread stages it (this rank alone, no collective), then wait
+        for the thread to finish its checks: what is left after 0.33.0's drain (nothing), and the whole drain under
+        the later revision, which drains at abort, exit and rebalance too."""
         th, self.async_thread = self.async_thread, None
         if th is None:
             return

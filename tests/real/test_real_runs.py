@@ -62,6 +62,25 @@ def test_async_eplb_on_real_ranks_moves_the_same_experts_as_the_simulation():
     assert real["metrics"]["nixl_progress_delay_us"] == [int(os.environ.get("EPSIM_NIXL_PROGRESS_DELAY_US") or 0)]
 
 
+def test_an_async_rebalance_in_flight_at_the_commit_is_drained_over_the_ep_group_in_both_worlds(tmp_path):
+    """vLLM 0.33.0's drain_async before the scale-up's commit (an all_reduce of the EP group each round): a rebalance
+    of 32 layers starts 5 steps before the scale-up and is still moving when the old ranks commit; then a rebalance
+    due every 2 steps while one is in flight waits for it (postponed) in both worlds."""
+    args = (*UP_2_TO_3, "--strategy", "shared-agent", "--set", "eplb.use_async=true", "--set", "model.layers=32",
+            "--set", "eplb.first_rebalance_step=995", "--set", "steps=1100")
+    sim, real = both(*args)
+    # (The ledgers differ a little: a real PREPARE waits for the rebalance in flight to land, 32 scaled steps, so the
+    # real run serves more steps in PREPARE and the last rebalance places for another load window.)
+    assert real["verdict"] == sim["verdict"] == "pass", real["detail"]
+    assert real["metrics"]["transfers"] > 0
+    out = tmp_path / "real"
+    done = epsim("run", "steady", "--set", "eplb.use_async=true", "--set", "eplb.step_interval=2", "--set",
+                 "eplb.window=2", "--set", "steps=20", "--backend", "real", "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    kinds = [json.loads(line)["kind"] for line in (out / "history.jsonl").read_text().splitlines()]
+    assert kinds.count("eplb.postponed") >= 2
+
+
 def test_scale_down_3_to_2_for_shared_agent_agrees_with_the_simulation():
     # The shared agent never removes a departed peer: the simulation predicts stale_peer and the real ledger shows
     # the survivor's agent still holding rank 2's agent after the reconfiguration (docs/validation.md).
