@@ -53,20 +53,27 @@ def test_case_names_show_the_ep_sizes_and_faults():
 
 
 def test_cases_for_one_device_run_only_there(monkeypatch):
-    """The stream-lag cases need a CUDA stream to lag: validate on host memory leaves them out (and says nothing
-    about them), on VRAM it runs them like the others."""
+    """The stream cases need a CUDA stream: validate on host memory leaves them out (and says nothing about them),
+    on VRAM it runs them like the others, the lagged ones with the host in step, the others under vLLM's defaults;
+    the host is in step with the GPU for every other case on VRAM (the agent lifecycle decides those)."""
     import real_backends.validate as validate
 
-    lagged = [c for c in CASES if c.device == "cuda"]
+    cuda_only = [c for c in CASES if c.device == "cuda"]
+    lagged = [c for c in cuda_only if c.faults]
     assert {c.strategy for c in lagged} == {"shared-agent", "per-communicator-agent"}
-    assert all(c.faults == ("device.stream_lag:delay_s=0.01",) and not c.quick for c in lagged)
+    assert all(c.faults == ("device.stream_lag:delay_s=0.01",) and not c.quick and c.in_step for c in lagged)
+    defaults = [c for c in cuda_only if not c.faults]
+    assert {c.strategy for c in defaults} == {"shared-agent", "tests.strategies.stream_synced:create"}
+    assert all(not c.in_step and c.load("cuda").serving.host_ahead_steps == 1.0 for c in defaults)
+    assert all(c.load("cuda").serving.host_ahead_steps == 0.0 for c in CASES if c.in_step)
+    assert all(c.load("cpu").serving.async_scheduling for c in CASES)  # (no stream to be ahead of on host memory)
     ran = []
     monkeypatch.setattr(validate, "run_case", lambda case, device, timeout_s: ran.append(case) or {"agree": True})
     validate.run_validation("cpu", catalogue=False)
     assert ran and not [c for c in ran if c.device is not None]
     ran.clear()
     validate.run_validation("cuda", catalogue=False)
-    assert [c for c in ran if c.device == "cuda"] == lagged
+    assert [c for c in ran if c.device == "cuda"] == cuda_only
 
 
 def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simulation(capsys):
