@@ -42,6 +42,9 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
         clock[0] = t - t0
         if kind in LEDGER:
             _ledger(oracles, history, by_name, kind, dict(fields))
+        elif kind == "eplb.move_loop":  # which code moved the experts: a metric, as in the simulation, not an event
+            if fields["loop"] == "vllm":
+                oracles.metrics["move_loop"] = "vllm"
         elif kind == "thread.crash":
             # The traceback and the crash's frames stay out of the history: line numbers are not events.
             history.record(kind, **{k: v for k, v in fields.items() if k not in ("traceback", "crash")})

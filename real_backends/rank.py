@@ -274,7 +274,11 @@ class RealWorker:
             self.pending = None
             consumed, self.consumed = self.consumed, None
             try:
-                move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
+                if isinstance(plan, tuple):  # vLLM's move_from_buffer
+                    loop, meta, new_p2l, rank = plan
+                    loop.move_from_buffer(layer, new_p2l, meta, self.weights[layer], self.buffer, rank, stream)
+                else:
+                    move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
                 if layer == len(self.weights) - 1:
                     self.rebalanced = False
                     self.eplb_state.notify_all()  # a PREPARE waiting for the rebalance to land (_prepare)
@@ -365,8 +369,15 @@ class RealWorker:
         from sim.eplb import move
         from sim.eplb.state import check_weights
 
+        from sim.vllm import move_loop as vllm_move_loop
+
         comm, rank = self.comm, self.group.rank()
-        for layer in range(old.num_layers):
+        loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
+        self.history("eplb.move_loop", loop="vllm" if loop is not None else "epsim")
+        if loop is not None and not paced:
+            loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
+                           comm, mapping, stream)
+        for layer in range(old.num_layers if loop is None or paced else 0):
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
             if not paced:
@@ -385,8 +396,13 @@ class RealWorker:
                     self.eplb_state.notify_all()
                 self.history("eplb.stopped", layer=layer)
                 break
-            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                stream)
+            if loop is None:
+                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
+                                    stream)
+            else:
+                meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
+                                           self.weights[layer], self.buffer, self.group, comm, mapping, stream)
+                plan = (loop, meta, new.physical_to_logical, rank)  # what vLLM's main thread takes
             if stream is not None:
                 stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             consumed = threading.Event()

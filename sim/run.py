@@ -142,9 +142,12 @@ def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     first = cluster.oracles.first_problem()
     implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired() if t <= first.t]
     crash = first.crash if first is not None else None
+    metrics = dict(cluster.oracles.metrics)
+    if "vllm" in cluster.move_loops:  # vLLM's rebalance_execute moved the experts, not epsim's model of it
+        metrics["move_loop"] = "vllm"
     return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                   len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
-                  cluster.faults.fired(), dict(cluster.oracles.metrics), implicated,
+                  cluster.faults.fired(), metrics, implicated,
                   signature(verdict, invariant, detail, strategy, implicated, crash), crash=crash)
 
 

@@ -23,6 +23,7 @@ from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
 from .faults import WORKER_SITES
 from .rng import derive_seed
+from .vllm import move_loop as vllm_move_loop
 
 
 @dataclass
@@ -217,7 +218,11 @@ class Worker:
         event lets the async thread start the next layer's transfers; the last layer ends the rebalance."""
         layer, plan = self.pending
         self.pending = None
-        move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
+        if isinstance(plan, tuple):  # vLLM's move_from_buffer
+            loop, meta, new_p2l, rank = plan
+            loop.move_from_buffer(layer, new_p2l, meta, self.weights[layer], self.buffer, rank, self.stream)
+        else:
+            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
         if layer == len(self.weights) - 1:
             self.rebalanced = False
         consumed, self.consumed = self.consumed, None
@@ -307,7 +312,14 @@ class Worker:
         lag = self.cluster.faults.take({"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid,
                                        "expert copies")
         self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
-        for layer in range(old.num_layers):
+        loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
+        self.cluster.move_loops.add("vllm" if loop is not None else "epsim")
+        if loop is not None and not paced:
+            for layer in range(old.num_layers):
+                self.cluster.recvs_planned += len(self.cluster.plan(old, new, layer, mapping)[rank].recvs)
+            loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
+                           comm, mapping, self.stream)
+        for layer in range(old.num_layers if loop is None or paced else 0):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
             self.cluster.recvs_planned += len(plan.recvs)
@@ -331,8 +343,13 @@ class Worker:
                 self.rebalanced = False
                 self.history("eplb.stopped", layer=layer)
                 break
-            move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                self.stream)
+            if loop is None:
+                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
+                                    self.stream)
+            else:
+                meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
+                                           self.weights[layer], self.buffer, self.group, comm, mapping, self.stream)
+                plan = (loop, meta, new.physical_to_logical, rank)  # what vLLM's main thread takes
             self.stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             self.consumed = self.kernel.env.event()
             self.pending = (layer, plan)

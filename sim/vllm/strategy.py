@@ -26,9 +26,21 @@ class VllmProcess:
     ``NixlWrapper`` is bound there.  Every load of the strategy (every simulated process) makes one."""
 
     def __init__(self, path: str | None, name: str) -> None:
+        from .move_loop import REBALANCE_MODULE
+
         where = source.locate(path)
+        # vLLM's move loop comes from the same sources, in the same instance of its modules; a branch whose
+        # rebalance_execute does not load here still has its communicator run, under epsim's model of the loop
+        # (``move_loop_error`` says why, and the run's metrics say which loop moved the experts).
+        self.move_loop_error: str | None = None
         try:
-            self.vllm = loader.load(where, COMMUNICATOR_MODULE)
+            try:
+                self.vllm = loader.load(where, COMMUNICATOR_MODULE, REBALANCE_MODULE)
+            except UnknownStrategy:
+                raise
+            except (Exception, SystemExit) as exc:  # noqa: BLE001
+                self.vllm = loader.load(where, COMMUNICATOR_MODULE)
+                self.move_loop_error = f"{REBALANCE_MODULE} does not load here: {type(exc).__name__}: {exc}"
         except UnknownStrategy:
             raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a vLLM branch that does not import here
@@ -39,6 +51,16 @@ class VllmProcess:
                                   f"{COMMUNICATOR_MODULE}")
         self._views: device.ViewCache | None = None
         self._bound = False
+
+    def move_loop(self):
+        """vLLM's ``rebalance_execute`` for this process (None where it did not load), reporting the device the
+        communicator's views report."""
+        from .move_loop import REBALANCE_MODULE, VllmMoveLoop
+
+        if self.move_loop_error is not None:
+            return None
+        device = self._views.device if self._views is not None else torch.device("cuda", 0)
+        return VllmMoveLoop(self.vllm[REBALANCE_MODULE], device)
 
     def coordinator(self, group: Any, stateless: bool) -> Any:
         """vLLM's coordinator of the EPLB group: a stateless one for groups made at an elastic reconfiguration."""

@@ -36,6 +36,7 @@ def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenari
     real = run(scenario, "--strategy", "vllm", *faults, backend="real")
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == verdict, real["detail"]
     assert real["profile"] == "real-cpu" and real["metrics"]["transfers"] > 0
+    assert real["metrics"]["move_loop"] == sim["metrics"]["move_loop"] == "vllm"  # vLLM's rebalance_execute
     if verdict[0] == "pass":  # a whole run: the real ledger counts what the simulation counts
         assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
     else:  # the departed rank still loaded is named in both worlds

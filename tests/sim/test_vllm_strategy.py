@@ -124,7 +124,8 @@ def test_old_indices_reach_the_code_under_test_as_vllm_passes_them(released, mon
 
     monkeypatch.setattr(strategy.VllmProcess, "create", spy)
     assert run("steady").verdict == "pass"
-    assert seen and all(isinstance(a, np.ndarray) and a.dtype == np.int64 and not a.flags.writeable for a in seen)
+    # vLLM's rearrange_expert_weights_inplace passes rows of its map's .cpu().numpy(): int64 ndarrays.
+    assert seen and all(isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == 1 for a in seen)
 
 
 def test_every_process_has_its_own_vllm_modules(released) -> None:
@@ -203,6 +204,49 @@ def test_a_branch_that_does_not_import_is_one_line(tmp_path, released) -> None:
                                                                   "import numpy as np\nimport not_a_module\n"))
     done = epsim_here("run", "steady", "--strategy", f"vllm:{tree}")
     assert done.returncode == 2 and "does not load here: ModuleNotFoundError" in done.stderr
+
+
+@pytest.mark.parametrize("scenario, overrides", [("scale-up", {}), ("scale-down", {}), ("elastic-cycle", {}),
+                                                 ("scale-up", {"eplb.use_async": True})])
+def test_vllms_own_move_loop_moves_the_experts_and_epsims_model_of_it_calls_alike(released, monkeypatch, scenario,
+                                                                                    overrides) -> None:
+    """vLLM's rebalance_execute (rearrange_expert_weights_inplace; transfer_layer and move_from_buffer under async
+    EPLB) runs for vLLM's communicator; epsim's model of the loop, which the built-in strategies run, makes the same
+    communicator calls in the same order and times: the two histories are one."""
+    from sim.scenario import with_overrides
+    from sim.vllm import move_loop
+
+    sc = with_overrides(load(scenario), **overrides)
+    vllms = run_scenario(sc, strategy="vllm")
+    assert vllms.verdict == "pass" and vllms.metrics["move_loop"] == "vllm", vllms.detail
+    monkeypatch.setattr(move_loop, "of", lambda factory: None)
+    model = run_scenario(sc, strategy="vllm")
+    assert "move_loop" not in model.metrics
+    assert (model.verdict, model.trace_hash, model.metrics["transfers"]) == (
+        vllms.verdict, vllms.trace_hash, vllms.metrics["transfers"])
+
+
+def test_vllms_row_copies_go_onto_the_simulated_stream(released) -> None:
+    """vLLM's non_blocking copies queue behind a lagged stream as epsim's did (sync and async EPLB), and a branch
+    that synchronizes before its READs, as vLLM's ROCm branch does, survives the lag."""
+    from sim.scenario import with_overrides
+
+    in_step = {"serving.async_scheduling": False}
+    lag = ["device.stream_lag:delay_s=0.01"]
+    for use_async in (False, True):
+        sc = with_overrides(load("scale-up"), **in_step, **{"eplb.use_async": use_async})
+        r = run_scenario(sc, strategy="vllm", profile="cuda", faults=lag)
+        assert (r.verdict, r.invariant, r.metrics["move_loop"]) == ("safety", "expert_weights", "vllm"), use_async
+        assert r.faults_fired[lag[0]] > 0
+
+
+def test_a_branch_whose_move_loop_does_not_load_runs_under_epsims_model(tmp_path, released) -> None:
+    tree = tmp_path / "vllm-branch"
+    shutil.copytree(released.root / "vllm", tree / "vllm")
+    path = tree / "vllm/distributed/eplb/rebalance_execute.py"
+    path.write_text("import not_a_module\n" + path.read_text())
+    r = run("scale-down", strategy=f"vllm:{tree}")
+    assert r.verdict == "pass" and "move_loop" not in r.metrics and r.metrics["transfers"] > 0
 
 
 def test_peers_late_for_prepares_collective_are_liveness_however_wrapped(released) -> None:
