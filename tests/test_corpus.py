@@ -16,11 +16,14 @@ BUNDLES = sorted(p for p in CORPUS.iterdir() if (p / "failure.json").is_file()) 
 
 def test_the_corpus_holds_the_issue_findings() -> None:
     names = {p.name for p in BUNDLES}
-    assert {"rocm-strict-duplicate-registration", "broken-finalizer-gc-late"} <= names
+    assert {"rocm-strict-duplicate-registration", "broken-finalizer-gc-late",
+            "vllm-0.33.0-cuda-copy-read-race"} <= names
 
 
 @pytest.mark.parametrize("path", BUNDLES, ids=[p.name for p in BUNDLES])
-def test_corpus_bundle_replays(path: Path) -> None:
+def test_corpus_bundle_replays(path: Path, request) -> None:
+    if bundle.load(path).config["strategy"].startswith("vllm"):
+        request.getfixturevalue("released")  # vLLM's sources (a skip offline, unless EPSIM_REQUIRE_VLLM=1)
     rep = bundle.replay(path)
     expected = rep.bundle.expected
     assert rep.result.signature == expected["signature"], rep.result.detail
