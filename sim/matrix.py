@@ -261,8 +261,15 @@ def render_stream_lag(all_cells: list[StreamCell]) -> str:
             "scheduling (`--set serving.async_scheduling=false`) the bookkeeping waits for the step and these "
             "cells are those of the GC matrix's cuda rows. On GPUs: vLLM 0.33.0's communicator and move loop "
             "corrupted rows on an H100 with about 10 ms of work queued and none with an idle stream; through "
-            "epsim's real backend (`docs/vllm.md`, \"On a GPU\") synchronous EPLB failed the weight check in every "
-            "run on one H200 shared by three ranks.",
+            "epsim's real backend under these defaults, async EPLB failed the weight check in every run, with the "
+            "simulation's first wrong row, and the synchronized variant passed (one H100 shared by three ranks; "
+            "`docs/vllm.md`, \"On a GPU\").",
+            "", "To rerun it: `./dev epsim run scale-up --strategy vllm --profile cuda` (vLLM 0.33.0's communicator "
+            "and its own move loop, `rebalance_execute.py`, unmodified: exit 1, `safety: expert_weights`); the shrunk "
+            "bundle `tests/corpus/vllm-0.33.0-cuda-copy-read-race` (2 ranks, 2 layers, one step; `./dev epsim replay` "
+            "it); on a GPU, `./dev epsim run scale-up --set timeline.0.to=3 --set max_ranks=3 --strategy vllm "
+            "--backend real --device cuda`, whose ranks queue one step of forward work (a sleep kernel) after every "
+            "step as the simulation does (`docs/vllm.md`, \"On a GPU\", has the runs).",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
     out += _stream_kinds(mode["defaults"] + mode["defaults, async EPLB"])
     out += ["", "### An injected lag alone", "",
