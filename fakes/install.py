@@ -13,7 +13,8 @@ import sys
 import types
 from typing import Iterator
 
-from .nixl import _api, _bindings
+from .nixl import _api, _bindings, _utils
+from .nixl import logging as nixl_logging
 from .nixl._fabric import FakeFabric, use_fabric
 
 NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu13", "rixl", "nixl_rocm")
@@ -27,7 +28,9 @@ def _package(name: str) -> dict[str, types.ModuleType]:
     for export in ("DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
                    "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle"):
         setattr(pkg, export, getattr(_api, export))
-    return {name: pkg, f"{name}._api": _api, f"{name}._bindings": _bindings}
+    pkg._utils, pkg.logging = _utils, nixl_logging
+    return {name: pkg, f"{name}._api": _api, f"{name}._bindings": _bindings, f"{name}._utils": _utils,
+            f"{name}.logging": nixl_logging}
 
 
 @contextlib.contextmanager
@@ -56,4 +59,4 @@ def installed(fabric: FakeFabric | None = None) -> Iterator[FakeFabric | None]:
 
 
 def is_fake(module: types.ModuleType) -> bool:
-    return module in (_api, _bindings) or getattr(module, "__epsim_fake__", False)
+    return module in (_api, _bindings, _utils, nixl_logging) or getattr(module, "__epsim_fake__", False)

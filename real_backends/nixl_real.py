@@ -108,6 +108,8 @@ class RealBackend(Backend):
 
     def __init__(self, memory: str = "DRAM") -> None:
         self.api, self.bindings, self.package = import_real_nixl()
+        self.utils = importlib.import_module(f"{self.package}._utils")
+        self.nixl_logging = importlib.import_module(f"{self.package}.logging")
         self.memory = memory
         if memory == "VRAM":
             import torch

@@ -27,13 +27,52 @@ _RUNS = pytest.StashKey[list]()
 DEFAULT_SEEDS = 10
 
 
+_FAKE_SESSION = pytest.StashKey[object]()
+
+
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("epsim")
     group.addoption("--epsim-seeds", default=None, metavar="N|A:B",
                     help="seeds for tests marked @pytest.mark.epsim: N seeds from 0, or seeds A to B-1")
+    group.addoption("--fake-nixl", action="store_true", default=False,
+                    help="the whole session imports epsim's fake NIXL under every NIXL package name (nixl._api, "
+                         "._bindings, ._utils, .logging): run a test suite written for NIXL, NIXL's own included, "
+                         "against the fake")
+    group.addoption("--fake-nixl-profile", default="dram", metavar="PROFILE",
+                    help="the fake's profile under --fake-nixl (dram, cuda, rdma, rocm-strict; default dram)")
+
+
+def _install_fake_nixl(config) -> None:
+    """``--fake-nixl``: before collection imports anything, every NIXL name is the fake, until the session ends."""
+    if not config.getoption("--fake-nixl"):
+        return
+    profile = config.getoption("--fake-nixl-profile")
+    from fakes import install
+    from fakes.nixl import profiles
+    from fakes.nixl._fabric import reset_default_fabric
+
+    if profile not in profiles.PROFILES:
+        raise pytest.UsageError(f"--fake-nixl-profile {profile!r}: profiles are {', '.join(profiles.PROFILES)}")
+    reset_default_fabric(profile)
+    shims = install.installed()
+    shims.__enter__()
+    config.stash[_FAKE_SESSION] = shims
+
+
+def pytest_unconfigure(config) -> None:
+    shims = config.stash.get(_FAKE_SESSION, None)
+    if shims is not None:
+        shims.__exit__(None, None, None)
+
+
+def pytest_report_header(config) -> str | None:
+    if not config.getoption("--fake-nixl", False):
+        return None
+    return f"epsim: NIXL is epsim's fake ({config.getoption('--fake-nixl-profile')} profile)"
 
 
 def pytest_configure(config) -> None:
+    _install_fake_nixl(config)
     config.addinivalue_line("markers", "nixl_profile(name): the fake NIXL profile for the fake_nixl fixture "
                                        "(dram, cuda, rdma, rocm-strict)")
     if config.getoption("--epsim-seeds"):

@@ -19,6 +19,8 @@ class Backend:
     name = "abstract"
     api: Any
     bindings: Any
+    utils: Any  # nixl._utils: the host-memory helpers of NIXL's own tests
+    nixl_logging: Any  # nixl.logging
     memory = "DRAM"  # or "VRAM"
 
     # -- memory ---------------------------------------------------------------------------------------------
@@ -161,10 +163,12 @@ class FakeBackend(Backend):
     name = "fake"
 
     def __init__(self, profile: str = "dram", memory: str = "DRAM", transport: str = "cma") -> None:
-        from fakes.nixl import _api, _bindings
+        from fakes.nixl import _api, _bindings, _utils
+        from fakes.nixl import logging as nixl_logging
         from fakes.nixl._fabric import FakeFabric, use_fabric
 
         self.api, self.bindings = _api, _bindings
+        self.utils, self.nixl_logging = _utils, nixl_logging
         self.profile = profile
         self.memory = memory
         self.fabric = FakeFabric(profile, transport=transport)

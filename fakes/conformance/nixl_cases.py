@@ -908,3 +908,112 @@ def kill_initiator(b: Backend):
     b.wait(lambda: False, tries=5)
     return [{k: [m.decode() for m in v] for k, v in got.items()}, observe(lambda: a.send_notif("B", b"x")),
             a.check_remote_metadata("B")]
+
+
+# -- the rest of the package: what NIXL's own Python tests use ------------------------------------------------
+@case([[0xBA] * 4, None, None])
+def utils_helpers(b: Backend):
+    """nixl._utils: malloc_passthru gives writable memory, ba_buf fills it with 0xba, and verify_transfer returns
+    None whether the two ranges match or not (its check is a C assert, compiled out of the wheel)."""
+    import ctypes
+
+    n = 64
+    x, y = b.utils.malloc_passthru(n), b.utils.malloc_passthru(n)
+    try:
+        b.utils.ba_buf(x, n)
+        b.utils.ba_buf(y, n)
+        same = b.utils.verify_transfer(x, y, n)
+        ctypes.memset(y, 7, n)
+        return [list(ctypes.string_at(x, 4)), same, b.utils.verify_transfer(x, y, n)]
+    finally:
+        b.utils.free_passthru(x)
+        b.utils.free_passthru(y)
+
+
+@case(["nixl.api", "nixl.nixl.a", False])
+def logging_names(b: Backend):
+    """nixl.logging: get_logger(name) is nixl.<name without leading underscores>, whatever name is; the nixl
+    logger does not propagate."""
+    import logging
+
+    return [b.nixl_logging.get_logger("_api").name, b.nixl_logging.get_logger("nixl.a").name,
+            logging.getLogger("nixl").propagate]
+
+
+def _telemetry(b: Backend, env: str | None, capture: bool):
+    """A READ by an agent made with NIXL_TELEMETRY_ENABLE=env (unset: None) and capture_telemetry; its telemetry,
+    or what was raised."""
+    import os
+
+    a, t = b.agent("A"), b.buf(N, PATTERN)
+    saved = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if env is None:
+        os.environ.pop("NIXL_TELEMETRY_ENABLE", None)
+    else:
+        os.environ["NIXL_TELEMETRY_ENABLE"] = env
+    try:
+        made = observe(lambda: b.agent("B", capture_telemetry=capture))
+        if isinstance(made, str):
+            return made
+        bb, u = made, b.buf(N, 0)
+    finally:
+        if saved is None:
+            os.environ.pop("NIXL_TELEMETRY_ENABLE", None)
+        else:
+            os.environ["NIXL_TELEMETRY_ENABLE"] = saved
+    b.reg(a, t)
+    b.reg(bb, u)
+    bb.add_remote_agent(a.get_agent_metadata())
+    h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
+    bb.transfer(h)
+    _finish(b, bb, h)
+    got = observe(lambda: bb.get_xfer_telemetry(h))
+    if isinstance(got, str):
+        return got
+    return [got.descCount, got.totalBytes, got.startTime > 0, got.postDuration > 0,
+            got.xferDuration >= got.postDuration]
+
+
+@case(["nixlNoTelemetryError", [1, N, True, True, True], [1, N, True, True, True], "nixlNoTelemetryError",
+       "RuntimeError"])
+def telemetry_switches(b: Backend):
+    """Transfer telemetry: the config's capture_telemetry decides while NIXL_TELEMETRY_ENABLE is unset; set, the
+    variable decides either way (y/yes/on/1/true/enable, n/no/off/0/false/disable, any case; no sink needed), and
+    another value fails the agent's construction.  Times are microseconds, the transfer's no shorter than its post."""
+    return [_telemetry(b, None, False), _telemetry(b, None, True), _telemetry(b, "y", False),
+            _telemetry(b, "No", True), _telemetry(b, "bogus", True)]
+
+
+@case(["NIXL_SUCCESS", "NIXL_SUCCESS"])
+def status_returns(b: Backend):
+    """The bindings' registerMem and deregisterMem return NIXL_SUCCESS (nixl_status_t), not None."""
+    a, t = b.agent("A"), b.buf(N)
+    core, ucx = a.agent, a.backends["UCX"]
+    descs = a.get_reg_descs(t)
+    return [core.registerMem(descs, [ucx]).name, core.deregisterMem(descs, [ucx]).name]
+
+
+@case([True, {"use_posix_aio": "false", "use_uring": "false", "use_aio": "false", "kernel_queue_size": "256",
+              "ios_pool_size": "65536"}, ["DRAM_SEG", "FILE_SEG"], [["mode", "mtime", "size"], True, "11"],
+       "nixlNotSupportedError"])
+def posix_query_mem(b: Backend):
+    """The POSIX plugin: its parameters, and queryMem on a list of files (size, mode and modification time as
+    strings; None for one that does not exist); UCX does not answer queryMem."""
+    import os
+    import tempfile
+
+    a = b.agent("A")
+    core = a.agent
+    params, mems = core.getPluginParams("POSIX")
+    posix = core.createBackend("POSIX", params)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f")
+        with open(path, "wb") as f:
+            f.write(b"hello world")
+        files = b.bindings.nixlRegDList(b.bindings.FILE_SEG)
+        files.addDesc((0, 0, 0, path))
+        files.addDesc((0, 0, 0, os.path.join(d, "missing")))
+        got = core.queryMem(files, posix)
+        by_ucx = observe(lambda: core.queryMem(files, a.backends["UCX"]))
+    return ["POSIX" in core.getAvailPlugins(), params, mems, [sorted(got[0]), got[1] is None, got[0]["size"]],
+            by_ucx]

@@ -18,10 +18,17 @@ from ._memory import MemoryMixin
 from ._peers import PeersMixin
 from ._xfer import XferMixin
 
-# The fake implements one transport plugin.  Real wheels list more (GDS, POSIX, ...); asking the fake for them
-# fails the same way an unknown plugin does, and docs/fake_coverage.md says so.
-PLUGINS = ["UCX"]
+# The fake implements one transport plugin, UCX, and of POSIX what a client asks before it moves file data: its
+# parameters and queryMem (the file's size, mode and modification time).  POSIX registrations and transfers are
+# not modelled: they fail NIXL_ERR_NOT_SUPPORTED, saying so.  Real wheels list more (GDS, OBJ, ...); asking the fake
+# for them fails the same way an unknown plugin does, and docs/fake_coverage.md says so.
+PLUGINS = ["POSIX", "UCX"]
 UCX_MEM_TYPES = ["DRAM_SEG", "VRAM_SEG"]
+# What getPluginParams("POSIX") gives on 1.5.1 (case posix_query_mem): its defaults, and the memory it takes.
+POSIX_PARAMS = {"use_posix_aio": "false", "use_uring": "false", "use_aio": "false", "kernel_queue_size": "256",
+                "ios_pool_size": "65536"}
+PLUGIN_PARAMS = {"UCX": ({}, UCX_MEM_TYPES), "POSIX": (POSIX_PARAMS, ["DRAM_SEG", "FILE_SEG"])}
+BACKEND_MEM_TYPES = {"UCX": UCX_MEM_TYPES, "POSIX": ["FILE_SEG", "DRAM_SEG"]}  # getBackendParams's order
 
 
 @dataclass
@@ -35,6 +42,25 @@ class nixlAgentConfig:
     captureTelemetry: bool = False
 
 
+# NIXL_TELEMETRY_ENABLE, read when an agent is made (observed on 1.5.1, case telemetry_switches): set, it decides
+# whether transfers keep telemetry whatever the config's captureTelemetry says (no sink or directory is needed);
+# unset, the config decides; a value outside these words fails the agent's construction.
+_TELEMETRY_WORDS = {**dict.fromkeys(("y", "yes", "on", "1", "true", "enable"), True),
+                    **dict.fromkeys(("n", "no", "off", "0", "false", "disable"), False)}
+
+
+def telemetry_enabled(config: nixlAgentConfig) -> bool:
+    import os
+
+    value = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if value is None:
+        return bool(config.captureTelemetry)
+    if value.lower() not in _TELEMETRY_WORDS:
+        raise RuntimeError(f"Conversion to bool failed for string '{value}' known are y, yes, on, 1, true, enable as "
+                           "positive and n, no, off, 0, false, disable as negative (case insensitive)")
+    return _TELEMETRY_WORDS[value.lower()]
+
+
 class AgentCore(MemoryMixin, PeersMixin, XferMixin):
     """One C++ ``nixlAgent``: the object behind ``nixl_agent.agent``."""
 
@@ -43,17 +69,19 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
             raise TypeError("nixlAgent(): incompatible constructor arguments")
         if not name:
             raise ValueError("Agent needs a non-empty name")
+        self.config = config or nixlAgentConfig()
+        self.telemetry = telemetry_enabled(self.config)
         fabric: FakeFabric = current_fabric()
         fabric.progress()
         self.fabric = fabric
         self.name = name
-        self.config = config or nixlAgentConfig()
         self.pid = fabric.current_process()
         self.uid = fabric.new_id()
         # Connection identity: what a peer compares when the same name is loaded again (row 1).
         self.conn = f"ucx://{self.pid}/{self.uid:x}/{name}"
         self.destroyed = False
         self.backends: dict[int, str] = {}
+        self.backend_params: dict[int, dict[str, str]] = {}
         self._init_memory()
         self._init_peers()
         self._init_xfer()
@@ -72,7 +100,8 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
     def getPluginParams(self, plugin: str) -> tuple[dict[str, str], list[str]]:
         if plugin not in PLUGINS:
             S.fail(S.NOT_FOUND, f"getPluginParams: plugin '{plugin}' not found")
-        return {}, list(UCX_MEM_TYPES)
+        params, mems = PLUGIN_PARAMS[plugin]
+        return dict(params), list(mems)
 
     def createBackend(self, backend: str, params: dict[str, str] | None = None) -> int:
         self._enter()
@@ -82,15 +111,22 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
             S.fail(S.NOT_FOUND, f"createBackend: unsupported backend '{backend}'")
         handle = 0x5000_0000_0000 + self.fabric.new_id() * 0x100
         self.backends[handle] = backend
+        self.backend_params[handle] = {**PLUGIN_PARAMS[backend][0], **dict(params or {})}
         return handle
 
     def getBackendParams(self, handle: int) -> tuple[dict[str, str], list[str]]:
         if handle not in self.backends:
             S.fail(S.NOT_FOUND, "getBackendParams: backend not found")
-        return {}, list(UCX_MEM_TYPES)
+        return dict(self.backend_params[handle]), list(BACKEND_MEM_TYPES[self.backends[handle]])
 
     def _has_backend_for(self, mem: S.nixl_mem_t) -> bool:
-        return bool(self.backends) and mem.name in UCX_MEM_TYPES
+        return "UCX" in self.backends.values() and mem.name in UCX_MEM_TYPES
+
+    def _refuse_posix_only(self, backends: list | None, call: str) -> None:
+        """A call for POSIX backends alone: the fake does not move file data."""
+        if backends and all(self.backends.get(int(b)) == "POSIX" for b in backends):
+            S.fail(S.NOT_SUPPORTED, f"{call}: the fake's POSIX backend answers queryMem only (registrations and "
+                                    "transfers through it are not modelled)")
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -148,7 +184,21 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         S.log.info("fake NIXL: socket metadata exchange with %s is not modelled", ip_addr)
 
     def queryMem(self, descs: Any, backend: int) -> list:
-        S.fail(S.NOT_SUPPORTED, "queryMem: not supported by the UCX backend")
+        """POSIX: for each descriptor, the file its metaInfo names: ``{"mtime", "mode", "size"}`` as strings, or
+        None where it cannot be stat'ed (whatever the list's memory type; observed on 1.5.1).  UCX: not supported."""
+        import os
+
+        if self.backends.get(int(backend)) != "POSIX":
+            S.fail(S.NOT_SUPPORTED, "queryMem: not supported by the UCX backend")
+        out: list = []
+        for i in range(descs.descCount()):
+            try:
+                st = os.stat(descs[i][3])
+            except (OSError, ValueError):
+                out.append(None)
+                continue
+            out.append({"mtime": str(int(st.st_mtime)), "mode": str(st.st_mode), "size": str(st.st_size)})
+        return out
 
     def prepMemView(self, dlist: Any, backends: list) -> int:
         S.fail(S.BACKEND, "prepMemView: UCX was built without the GPU device API")

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _bindings as nixlBind
+from .logging import get_logger  # noqa: F401 - the real module imports it too; the fake logs elsewhere (logger below)
 
 logger = logging.getLogger("epsim.fakes.nixl")
 

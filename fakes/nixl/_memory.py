@@ -161,10 +161,12 @@ class MemoryMixin:
             return (addr * 31 + length * 7 + dev * 3 + mem) & 0xFFFF_FFFF
         return self.fabric.new_id()
 
-    def registerMem(self, descs: nixlRegDList, backends: list | None = None) -> None:
+    @S.returns_status
+    def registerMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         _check_dlist(descs, nixlRegDList, "registerMem")
         mem = descs.getType()
+        self._refuse_posix_only(backends, "registerMem")
         if not self._has_backend_for(mem):
             S.fail(S.NOT_FOUND, f"registerMem: no available backends for mem type '{mem.name}'")
         profile = self.fabric.profile
@@ -201,7 +203,8 @@ class MemoryMixin:
                                       "registered in this process (rocm-strict profile)")
             taken.append(r)
 
-    def deregisterMem(self, descs: nixlRegDList, backends: list | None = None) -> None:
+    @S.returns_status
+    def deregisterMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         _check_dlist(descs, nixlRegDList, "deregisterMem")
         mem = int(descs.getType())

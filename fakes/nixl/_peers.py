@@ -73,7 +73,8 @@ class PeersMixin:
                          sections=table.count)
         return name.encode()
 
-    def invalidateRemoteMD(self, name: str) -> None:
+    @S.returns_status
+    def invalidateRemoteMD(self, name: str) -> S.nixl_status_t:
         self._enter()
         if self.peers.pop(name, None) is not None:
             self.fabric.emit("peer.remove", agent=self.name, pid=self.pid, conn=self.conn, peer=name)
@@ -93,7 +94,8 @@ class PeersMixin:
                 return S.nixl_status_t.NIXL_ERR_NOT_FOUND
         return S.nixl_status_t.NIXL_SUCCESS
 
-    def makeConnection(self, name: str, backends: list | None = None) -> None:
+    @S.returns_status
+    def makeConnection(self, name: str, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         if name not in self.peers:
             S.fail(S.NOT_FOUND, f"makeConnection: metadata for remote agent '{name}' not found")
@@ -108,7 +110,8 @@ class PeersMixin:
         self.fabric.emit("peer.fail", agent=self.name, pid=self.pid, peer=peer.name, why=why)
 
     # -- notifications ----------------------------------------------------------------------------------------
-    def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> None:
+    @S.returns_status
+    def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> S.nixl_status_t:
         self._enter()
         if name == self.name:  # to itself, over the loopback endpoint
             self._send_notif(self, name, msg)

@@ -10,6 +10,8 @@ Where 1.5.1 crashes the process (posting a released request), the ``dram`` profi
 
 from __future__ import annotations
 
+import time
+
 from ctypes import memmove  # the bytes of a transfer move for real, host to host
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -56,6 +58,10 @@ class XferReq:
     due: float = 0.0  # when the bytes will have moved (inf: never)
     nbytes: int = field(init=False, default=0)
     owner: Any = field(init=False, default=None)  # the simulated thread that made it (inside the simulator)
+    # Telemetry (agents that keep it): the last post's start and end, and when a check first saw it DONE, in seconds
+    # of the telemetry clock.
+    posted: tuple[float, float] | None = field(init=False, default=None)
+    done_at: float | None = field(init=False, default=None)
     _spans: tuple | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -187,7 +193,8 @@ class XferMixin:
                                            peer.generation if peer else None, mem, triples, regions)
         return handle
 
-    def releasedDlistH(self, handle: int) -> None:
+    @S.returns_status
+    def releasedDlistH(self, handle: int) -> S.nixl_status_t:
         if self.dlists.pop(handle, None) is not None:
             self.released_handles.add(handle)
 
@@ -238,6 +245,7 @@ class XferMixin:
     def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
                       notif: bytes | str = b"", backends: list | None = None) -> int:
         self._enter()
+        self._refuse_posix_only(backends, "createXferReq")
         lt = self._xfer_triples(local_descs, "createXferReq")
         rt = self._xfer_triples(remote_descs, "createXferReq")
         if not lt and not rt:
@@ -337,8 +345,15 @@ class XferMixin:
                     return S.BACKEND, "local key no longer valid (deregistered)"
         return None
 
+    def _telemetry_now(self) -> float:
+        """Seconds on the telemetry clock: simulated time inside the simulator, the host's monotonic clock outside
+        (NIXL's is the host's steady clock)."""
+        clock = self.fabric._clock
+        return clock() if clock is not None else time.monotonic()
+
     def postXferReq(self, handle: int, notif: bytes | str = b"") -> S.nixl_status_t:
         self._enter()
+        started = self._telemetry_now() if self.telemetry else 0.0
         req = self.xfers.get(handle) or self._req(handle, "postXferReq")
         if req.released:
             self._released_use("transfer()")
@@ -376,10 +391,14 @@ class XferMixin:
                 if late is not None:
                     delay += float(late.params.get("delay", 1.0))
         self._emit_xfer("xfer.post", req, peer)
+        if self.telemetry:
+            req.posted, req.done_at = (started, self._telemetry_now()), None
         if delay <= 0:
             self._complete(req, req.epoch)
             if req.finished:
                 req.state = DONE
+                if self.telemetry:
+                    req.done_at = req.posted[1]
                 self._notify(req)  # completed within the post: the notification goes with it
             return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
         epoch = req.epoch
@@ -461,6 +480,8 @@ class XferMixin:
                 req.error = STATUS_BY_NAME[fault.params.get("error", "REMOTE_DISCONNECT")]
             elif req.finished:
                 req.state = DONE
+                if self.telemetry:
+                    req.done_at = self._telemetry_now()
                 self._notify(req)
             elif req.peer != self.name and self._target(self.peers[req.peer]) is None:
                 req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (row 26)
@@ -472,7 +493,8 @@ class XferMixin:
             self.fabric.poll_wait(req.due)
         return S.nixl_status_t.NIXL_IN_PROG
 
-    def releaseXferReq(self, handle: int) -> None:
+    @S.returns_status
+    def releaseXferReq(self, handle: int) -> S.nixl_status_t:
         self._enter()
         req = self.xfers.get(handle) or self._req(handle, "releaseXferReq")
         # A request still in flight is not cancelled: release returns at once and its bytes keep landing (a whole
@@ -493,11 +515,21 @@ class XferMixin:
         return 0, 0, -1  # UCX has no cost model: the Python layer reports method "UNKNOWN"
 
     def getXferTelemetry(self, handle: int) -> nixlXferTelemetry:
+        """The last post's telemetry, in microseconds (observed on 1.5.1, case telemetry_switches): ``startTime`` on
+        the clock, ``postDuration`` the post itself, ``xferDuration`` from the post's start until a check saw the
+        transfer done (until now while it is not); whole microseconds, and a post never takes none."""
         req = self._req(handle, "getXferTelemetry")
-        if not self.config.captureTelemetry:
+        if not self.telemetry:
             S.fail(S.NO_TELEMETRY, "getXferTelemetry: cannot return values when telemetry is not enabled.")
-        return nixlXferTelemetry(totalBytes=req.nbytes, descCount=len(req.pairs))
+        if req.posted is None:
+            return nixlXferTelemetry(totalBytes=req.nbytes, descCount=len(req.pairs))
+        start, end = req.posted
+        post = max(1, round((end - start) * 1e6))
+        done = req.done_at if req.done_at is not None else self._telemetry_now()
+        return nixlXferTelemetry(startTime=max(1, round(start * 1e6)), postDuration=post,
+                                 xferDuration=max(post, round((done - start) * 1e6)), totalBytes=req.nbytes,
+                                 descCount=len(req.pairs))
 
     def queryXferBackend(self, handle: int) -> int:
         self._req(handle, "queryXferBackend")
-        return next(iter(self.backends))
+        return next(h for h, name in self.backends.items() if name == "UCX")

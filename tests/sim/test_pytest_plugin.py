@@ -57,3 +57,47 @@ def test_epsim_seeds_option_overrides_the_marker(tmp_path: Path) -> None:
     assert "seed=0" not in done.stdout and "seed=1" not in done.stdout
     bad = _pytest(tmp_path, "--epsim-seeds", "x:y", "--collect-only")
     assert bad.returncode != 0 and "--epsim-seeds 'x:y': give N or A:B" in bad.stderr, bad.stderr
+
+
+NIXL_SUITE = '''
+import logging
+
+import nixl._api
+import nixl._bindings as bindings
+import nixl._utils as utils
+from nixl.logging import get_logger
+
+
+def test_the_whole_package_is_the_fake():
+    assert getattr(nixl._api, "__name__", "").startswith("fakes.")
+    assert bindings.nixlAgentConfig.__module__.startswith("fakes.")
+    addr = utils.malloc_passthru(16)
+    utils.ba_buf(addr, 16)
+    utils.free_passthru(addr)
+    assert get_logger("_suite").name == "nixl.suite"
+    from fakes.nixl._fabric import current_fabric
+
+    assert current_fabric().profile.name == "rocm-strict"
+
+
+def test_status_calls_return_success():
+    agent = bindings.nixlAgent("A", bindings.nixlAgentConfig())
+    ucx = agent.createBackend("UCX", {})
+    addr = utils.malloc_passthru(64)
+    descs = bindings.nixlRegDList(bindings.DRAM_SEG)
+    descs.addDesc((addr, 64, 0, ""))
+    assert agent.registerMem(descs, [ucx]) == bindings.NIXL_SUCCESS
+    assert agent.deregisterMem(descs, [ucx]) == bindings.NIXL_SUCCESS
+    utils.free_passthru(addr)
+'''
+
+
+def test_fake_nixl_runs_a_suite_written_for_nixl_against_the_fake(tmp_path: Path) -> None:
+    """``--fake-nixl``: a test suite that imports NIXL at module level (NIXL's own does) gets the fake's whole
+    package, in the profile asked for; a bad profile is a usage error."""
+    (tmp_path / "test_suite.py").write_text(NIXL_SUITE)
+    done = _pytest(tmp_path, "--fake-nixl", "--fake-nixl-profile", "rocm-strict")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    bad = _pytest(tmp_path, "--fake-nixl", "--fake-nixl-profile", "nvlink")
+    assert bad.returncode != 0 and "--fake-nixl-profile 'nvlink': profiles are" in bad.stderr
