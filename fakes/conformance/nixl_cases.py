@@ -1017,3 +1017,94 @@ def posix_query_mem(b: Backend):
         by_ucx = observe(lambda: core.queryMem(files, a.backends["UCX"]))
     return ["POSIX" in core.getAvailPlugins(), params, mems, [sorted(got[0]), got[1] is None, got[0]["size"]],
             by_ucx]
+
+
+# -- overlapping registrations ------------------------------------------------------------------------------
+K4 = 4096
+OVERLAPS = {"identical": ((0, 2 * K4), (0, 2 * K4)), "nested": ((0, 4 * K4), (K4, K4)),
+            "partial": ((0, 2 * K4), (K4, 2 * K4)), "adjacent": ((0, 2 * K4), (2 * K4, 2 * K4)),
+            "same_start": ((0, K4), (0, 4 * K4))}
+
+
+def _overlap_ranges(shape: str) -> list[tuple[int, int]]:
+    """(offset, length) of READs at every part of two registrations: inside each stretch between their edges,
+    across each inner edge, and over their union."""
+    (o1, n1), (o2, n2) = OVERLAPS[shape]
+    cuts = sorted({o1, o1 + n1, o2, o2 + n2})
+    stretches = list(zip(cuts, cuts[1:]))
+    ranges = [(a + (b - a) // 2 - 128, 256) for a, b in stretches]
+    ranges += [(b - 128, 256) for _, b in stretches[:-1]]
+    lo, hi = min(o1, o2), max(o1 + n1, o2 + n2)
+    return ranges + [(lo, hi - lo)]
+
+
+def _overlap_reads(b: Backend, shape: str, where: str, release: str, two_agents: bool = False) -> str:
+    """Registrations R1 and R2 of OVERLAPS[shape] over one 16 KiB buffer of the target (``where`` remote) or the
+    initiator (local), by the agent that moves the bytes (or R2 by a third agent of the process), R1 or R2 then
+    released (or neither); a READ at every range of :func:`_overlap_ranges`: D (done) or N (NOT_FOUND) each."""
+    (o1, n1), (o2, n2) = OVERLAPS[shape]
+    t, u = b.buf(4 * K4, PATTERN), b.buf(4 * K4, 0)
+    tgt, ini = b.agent("T"), b.agent("I")
+    owner, buf = (tgt, t) if where == "remote" else (ini, u)
+    other = b.agent("O") if two_agents else owner
+    base = buf.data_ptr()
+    d1 = owner.get_reg_descs([(base + o1, n1, b.dev(buf), "")], mem_type=b.memory)
+    d2 = other.get_reg_descs([(base + o2, n2, b.dev(buf), "")], mem_type=b.memory)
+    owner.register_memory(d1)
+    other.register_memory(d2)
+    b.reg(ini if where == "remote" else tgt, u if where == "remote" else t)
+    if release == "r1":
+        owner.deregister_memory(d1)
+    elif release == "r2":
+        other.deregister_memory(d2)
+    ini.add_remote_agent(tgt.get_agent_metadata())
+    out = ""
+    for off, n in _overlap_ranges(shape):
+        local = (u.data_ptr() + (off if where == "local" else 0), n, b.dev(u))
+        remote = (t.data_ptr() + (off if where == "remote" else 0), n, b.dev(t))
+
+        def read():
+            h = ini.initialize_xfer("READ", ini.get_xfer_descs([local], mem_type=b.memory),
+                                    ini.get_xfer_descs([remote], mem_type=b.memory), "T")
+            ini.transfer(h)
+            state = _finish(b, ini, h)
+            ini.release_xfer_handle(h)
+            return state
+
+        got = observe(read)
+        out += {"DONE": "D", "nixlNotFoundError": "N"}.get(got, f"[{got}]")
+    return out
+
+
+def _overlap_case(shape: str) -> dict[str, str]:
+    def run(b: Backend) -> dict[str, str]:
+        got = {f"{w}/{r}": _overlap_reads(b, shape, w, r) for w in ("remote", "local") for r in ("none", "r1", "r2")}
+        got["remote, R2 by another agent"] = _overlap_reads(b, shape, "remote", "none", two_agents=True)
+        return got
+
+    return run
+
+
+def _expect(none: str, r1: str, r2: str, other: str) -> dict[str, str]:
+    rows = {f"{w}/{k}": v for w in ("remote", "local") for k, v in (("none", none), ("r1", r1), ("r2", r2))}
+    return {**rows, "remote, R2 by another agent": other}
+
+
+# NIXL 1.5.1 looks a range up in the registration that starts last at or before it and takes it only if that one
+# holds the whole range: a READ in the part of an outer registration past a nested one is NOT_FOUND, a range across
+# adjacent registrations is NOT_FOUND, one across a partial overlap is found where the later-starting one holds it.
+# Of two starting together the longer is taken.  Releasing one of two identical registrations keeps the other;
+# another agent's registration changes nothing.  rocm-strict refuses a second registration of the same bytes.
+for _shape, _want in {"identical": _expect("DD", "DD", "DD", "DD"),
+                      "nested": _expect("DDNDND", "NDNNNN", "DDDDDD", "DDDDDD"),
+                      "partial": _expect("DDDDDN", "NDDNDN", "DDNDNN", "DDNDNN"),
+                      "adjacent": _expect("DDNN", "NDNN", "DNNN", "DNNN"),
+                      "same_start": _expect("DDDD", "DDDD", "DNNN", "DNNN")}.items():
+    _fn = _overlap_case(_shape)
+    _fn.__name__ = f"overlapping_registrations_{_shape}"
+    _fn.__doc__ = (f"Two registrations {_shape} over one buffer (R1, R2 = {OVERLAPS[_shape]}), on the target and on "
+                   "the initiator, each released in turn: a READ at every part of them (D done, N NOT_FOUND).")
+    if _shape == "adjacent":
+        case(_want)(_fn)
+    else:
+        case(_want, rocm_strict="nixlBackendError")(_fn)

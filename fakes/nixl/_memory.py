@@ -85,7 +85,7 @@ class SectionTable:
     def __init__(self, sections: dict[tuple[int, int, int, int], Region], count: int) -> None:
         self.sections = sections
         self.count = count
-        self.index = SpanIndex()
+        self.index = SpanIndex("nixl")  # a peer's registrations, looked up as NIXL looks them up
         for r in sections.values():
             self.index.add((r.mem, r.dev), r.addr, r.length, r)
 
@@ -148,7 +148,7 @@ def _check_dlist(descs: object, cls: type, call: str) -> None:
 class MemoryMixin:
     def _init_memory(self) -> None:
         self.regions: list[Region] = []  # in registration order: what metadata and deregistration see
-        self.region_index = SpanIndex()  # the same regions, for coverage lookups
+        self.region_index = SpanIndex("nixl")  # the same regions, looked up as NIXL looks a descriptor up
         # Regions that a failed batch deregistration took out of the agent's loopback view only.  Real 1.5.1:
         # after deregister_memory([known, unknown]) raises NOT_FOUND, `known` is still registered, still in the
         # metadata and still usable as a local descriptor, but a loopback request naming it remotely is NOT_FOUND

@@ -5,6 +5,12 @@ scan is the simulator's hot spot.  Ranges are grouped by a key (memory type, dev
 running maximum of their ends: a query bisects to the last range starting at or before it and walks back only while
 an earlier range could still reach the query's end.  Overlapping ranges (legal in NIXL) are handled; the index is
 rebuilt lazily after a change, since lookups far outnumber registrations.
+
+Two rules for overlapping ranges.  ``any`` (the oracles' question: is this memory registered at all?) answers with
+any range that covers the query.  ``nixl`` is what NIXL 1.5.1 does when it looks a descriptor up in an agent's
+registrations (catalogue cases ``overlapping_registrations_*``): it takes the range that starts last at or before
+the query (of ranges starting together, the longest) and answers with it only if it covers the whole query, so a
+READ in the part of an outer registration past a nested one is NOT_FOUND although the outer one holds it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ _MAX_LIST_ANSWERS = 1 << 16  # whole-list answers kept between changes
 
 
 class SpanIndex:
-    def __init__(self) -> None:
+    def __init__(self, rule: str = "any") -> None:
+        if rule not in ("any", "nixl"):
+            raise ValueError(f"rule {rule!r}: 'any' or 'nixl'")
+        self._nixl = rule == "nixl"
         self._items: list[tuple[Hashable, int, int, Any]] = []  # (key, start, end, payload)
         self._count: Counter = Counter()
         self._groups: dict[Hashable, tuple[list[int], list[tuple[int, int, Any]], list[int]]] | None = None
@@ -146,7 +155,11 @@ class SpanIndex:
             return None
         starts, entries, prefix = group
         end = start + length
-        i = bisect_right(starts, start) - 1
+        i = bisect_right(starts, start) - 1  # entries sort by (start, end): of equal starts, the longest is last
+        if self._nixl:
+            while i >= 0 and skip is not None and entries[i][2] in skip:
+                i -= 1
+            return entries[i][2] if i >= 0 and entries[i][1] >= end else None
         while i >= 0 and prefix[i] >= end:
             s, e, payload = entries[i]
             if e >= end and (skip is None or payload not in skip):
