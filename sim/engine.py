@@ -186,12 +186,12 @@ class Engine:
         return total
 
     def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None,
-                  drain: bool = True, asynchronous: bool = True) -> bool:
+                  drain: bool = True, asynchronous: bool = True, label: str = "rebalance") -> bool:
         """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping).
         With async EPLB on, the layers move on each rank's async thread unless ``asynchronous`` is False (vLLM
         forces a scale-down's reshuffle synchronous); ``drain``: wait for every rank's layers before going on, as
         the last rebalance does; a periodic one and the reshuffle after a scale-up return at once and the layers
-        move while the group serves."""
+        move while the group serves.  ``label``: the span it adds (an elastic event's reshuffle is a phase of it)."""
         old = self.placement
         size = new_size or len(self.members)
         self.before_rebalance()
@@ -220,8 +220,15 @@ class Engine:
             ok = self._all("drain")
         self.placement = new
         if ok:
-            self.spans.append(("rebalance", start, self.now()))
+            self.spans.append((label, start, self.now()))
         return ok
+
+    def _phase(self, event, phase: str, start: float) -> float:
+        """A phase of an elastic event ended now: its span (``scale_up.prepare``, ...); returns now, the next
+        phase's start.  The same spans come from the real backend, measured (``epsim calibrate`` compares them)."""
+        now = self.now()
+        self.spans.append((f"{event.kind}.{phase}", start, now))
+        return now
 
     def elastic(self, event) -> bool:
         start = self.now()
@@ -235,6 +242,7 @@ class Engine:
         if event.kind == "fail_rank":
             self.fail_rank(self.members[event.rank])
             return True  # vLLM has no rank-failure recovery yet (#46370): the others find out the hard way
+        began = self.now()
         old_members = list(self.members)
         size = event.to
         if size > len(old_members):
@@ -269,6 +277,7 @@ class Engine:
                 return False
             if not self.serve(PREPARE_POLL_STEPS):
                 return False
+        phase = self._phase(event, "prepare", began)
         if event.kind == "abort":
             # Every member drains what async EPLB has in flight first: the abort reaches only the ranks that were
             # to stay, and a rank's staged layer is taken by its own main thread, so a member left out (one a
@@ -277,34 +286,44 @@ class Engine:
                 return False
             if not self._all("abort", [p for p in old_members if p in new_members]):
                 return False
+            phase = self._phase(event, "abort", phase)
             ok = self._retire([w.pid for w in fresh], rdv)
+            if ok:
+                self._phase(event, "exit", phase)
             if ok:  # an abort completes the reconfiguration too: the ranks that were to join are gone
                 self.reconfigured(self.members)
             return ok
         # vLLM 0.33.0 drains async EPLB over the old EP group before the scale-up's commit (broadcast_expert_mapping)
         # and before the scale-down's reshuffle (perform_scale_down_eplb_reshuffle): a collective of every old rank.
-        if self.scenario.lifecycle == "0.33.0" and self.scenario.eplb.use_async and not self._all("drain",
-                                                                                                   old_members):
-            return False
+        if self.scenario.lifecycle == "0.33.0" and self.scenario.eplb.use_async:
+            if not self._all("drain", old_members):
+                return False
+            phase = self._phase(event, "drain", phase)
+        reshuffle = f"{event.kind}.reshuffle"
         if size > len(old_members):  # scale-up: commit, then reshuffle on the new group
             if not self._all("commit", [p for p in old_members]):
                 return False
             self._retire([], self.rdv)
             self.rdv, self.members = rdv, new_members
             self._set_members(rdv)
+            self._phase(event, "commit", phase)
             # vLLM schedules the reshuffle and resumes serving: under async EPLB the layers reach the new ranks one
             # per forward step (a new rank's slots take no tokens until its layer lands), and the next commit or
             # rebalance drains what is still in flight.
-            ok = self.rebalance(mapping={r: r for r in range(len(old_members))}, drain=False)
+            ok = self.rebalance(mapping={r: r for r in range(len(old_members))}, drain=False, label=reshuffle)
         else:  # scale-down: rebalance through the old group first, then the survivors commit and the rest leave
             mapping = {r: (r if r < size else -1) for r in range(len(old_members))}
-            if not self.rebalance(new_size=size, mapping=mapping, asynchronous=False):
+            if not self.rebalance(new_size=size, mapping=mapping, asynchronous=False, label=reshuffle):
                 return False
+            phase = self.now()
             if not self._all("commit", new_members):
                 return False
             old_rdv, self.rdv, self.members = self.rdv, rdv, new_members
             self._set_members(rdv)
+            phase = self._phase(event, "commit", phase)
             ok = self._retire([p for p in old_members if p not in new_members], old_rdv)
+            if ok:
+                self._phase(event, "exit", phase)
         if ok:
             self.reconfigured(self.members)
         return ok

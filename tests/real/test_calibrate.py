@@ -91,8 +91,12 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     assert cmp["complete"] and cmp["spans_simulated"] == cmp["spans_measured"] == len(cmp["spans"])
     kinds = [s["what"] for s in cmp["spans"]]
     assert "scale_up" in kinds and kinds.count("rebalance") >= 3
-    assert all(s["measured_s"] > 0 and s["simulated_s"] > 0 for s in cmp["spans"])
-    assert set(cmp["summary"]) == {"rebalance", "scale_up"}
+    # The breakdown of the scale-up, in both worlds: each phase measured; the simulation's COMMIT takes no time.
+    phases = ["scale_up.prepare", "scale_up.commit", "scale_up.reshuffle"]
+    assert [k for k in kinds if k.startswith("scale_up.")] == phases
+    assert all(s["measured_s"] > 0 for s in cmp["spans"])
+    assert all(s["simulated_s"] > 0 for s in cmp["spans"] if s["what"] != "scale_up.commit")
+    assert set(cmp["summary"]) == {"rebalance", "scale_up", *phases}
     # the file drives a simulated run
     done = epsim("run", "scale-up", "--calibration", str(out), "--json")
     assert done.returncode == 0, done.stderr

@@ -88,6 +88,11 @@ def test_scale_down_3_to_2_for_shared_agent_agrees_with_the_simulation():
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("safety", "stale_peer")
     assert "departed pid 2" in real["detail"]
     assert {k: real["metrics"][k] for k in LEDGER} == {k: sim["metrics"][k] for k in LEDGER}
+    # The same breakdown of the scale-down, measured: PREPARE, the reshuffle, COMMIT, the departing rank's exit.
+    names = ["scale_down.prepare", "scale_down.reshuffle", "scale_down.commit", "scale_down.exit"]
+    for r in (sim, real):
+        assert [w for w, _, _ in r["spans"] if w.startswith("scale_down.")] == names
+    assert all(b > a for w, a, b in real["spans"] if w.startswith("scale_down."))
 
 
 def test_real_ledger_shows_the_duplicate_registrations_the_simulation_predicts():

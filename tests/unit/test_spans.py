@@ -74,3 +74,45 @@ def test_lists_of_lists_are_answered_too():
     assert index.first_uncovered((0, 0), [[110, 10], [140, 20]]) == (140, 20)
     assert index.first_uncovered((0, 0), [[110, 10]]) is None
     assert index.find_each(0, [[110, 10, 0], [140, 20, 0]]) == ("a", None)
+
+
+def _nixl_answer(items, key, start, length):
+    """NIXL 1.5.1's lookup, by a plain scan: of the ranges under key starting at or before start, the one starting
+    last (of those, the longest), if it holds all of [start, start+length); the payload of some such range, or None."""
+    before = [(s, e, p) for k, s, e, p in items if k == key and s <= start]
+    if not before:
+        return None
+    s, e = max((s, e) for s, e, _ in before)
+    if e < start + length:
+        return None
+    return {p for s2, e2, p in before if (s2, e2) == (s, e)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_the_nixl_rule_takes_the_range_that_starts_last(script):
+    index, items = SpanIndex("nixl"), []
+    for op in script:
+        if op[0] == "add":
+            _, key, start, length, payload = op
+            index.add(key, start, length, payload)
+            items.append((key, start, start + length, payload))
+        elif op[0] == "remove":
+            payload = op[1]
+            if index.remove(payload):
+                del items[next(i for i, it in enumerate(items) if it[3] == payload)]
+        else:
+            _, key, spans = op
+            for start, length in spans:
+                want = _nixl_answer(items, key, start, length)
+                got = index.find(key, start, length)
+                assert (got is None) if want is None else (got in want), (items, key, start, length, got)
+
+
+def test_the_two_rules_differ_past_a_nested_range():
+    for rule, want in (("any", "outer"), ("nixl", None)):
+        index = SpanIndex(rule)
+        index.add(0, 0, 100, "outer")
+        index.add(0, 20, 10, "inner")
+        assert index.find(0, 50, 10) == want
+        assert index.find(0, 22, 4) == "inner" and index.find(0, 5, 4) == "outer"
