@@ -91,6 +91,42 @@ def _starter(conn) -> None:
     conn.send("ready")
 
 
+def _collector(conn, repeats: int) -> None:
+    """A process loaded as a rank is (torch, NIXL with an agent, epsim's real backend and simulator modules): the
+    median time of a full ``gc.collect()`` there."""
+    import gc
+
+    import torch  # noqa: F401 - what a rank holds
+
+    from sim import cluster, engine  # noqa: F401
+    from . import rank  # noqa: F401
+    from .nixl_real import import_real_nixl
+
+    api, _, _ = import_real_nixl()
+    agent = api.nixl_agent("calibrate-collect")  # noqa: F841 - alive while collecting, as a rank's are
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - started)
+    conn.send(statistics.median(times))
+
+
+def measure_collect(repeats: int = 5) -> float:
+    """Median seconds of a planned ``gc.collect()`` in a process loaded as a rank is: vLLM collects once at COMMIT
+    (twice in 0.33.0), and on a real rank that is most of the COMMIT's time."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_collector, args=(child, repeats), daemon=True)
+    proc.start()
+    try:
+        return float(conn.recv()) if conn.poll(180) else float("nan")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def measure_process_start(repeats: int = 3) -> float:
     """Median seconds from starting a process to an agent in it (imports included)."""
     ctx = mp.get_context("spawn")
@@ -112,9 +148,14 @@ def measure_process_start(repeats: int = 3) -> float:
 # What each measurement takes: in full, and with ``--quick`` (a smoke test of the whole path, as CI and a GPU job's
 # first minute want it: about half the time on a 2-core machine, too few samples to trust the numbers).
 FULL = {"sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
-        "share_mib": 4, "share_repeats": 5}
+        "share_mib": 4, "share_repeats": 5, "collects": 7}
 QUICK = {"sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
-         "share_repeats": 3}
+         "share_repeats": 3, "collects": 3}
+
+
+def _finite(seconds: float) -> float:
+    """A measurement that did not come (nan) counts as none."""
+    return seconds if seconds == seconds else 0.0
 
 
 def measure(device: str = "cpu", quick: bool = False) -> Calibration:
@@ -130,6 +171,7 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
                        collective_latency_s=measure_collective(how["collectives"]),
                        process_start_s=measure_process_start(how["starts"]),
+                       collect_s=_finite(measure_collect(how["collects"])),
                        concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
                                                                  repeats=how["share_repeats"]),
                        quick=quick, device=device, memory=reads["memory"],

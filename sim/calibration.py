@@ -3,10 +3,10 @@
 ``epsim calibrate`` writes one (JSON); ``epsim run --calibration FILE`` runs the simulation with its numbers instead
 of the defaults: a READ alone takes ``xfer_latency_s + bytes / bandwidth_Bps`` (bytes at the scenario's nominal
 expert size; the READs one process posts together share ``bandwidth_Bps``), the first one towards a peer
-``connect_s`` more, and a collective completes ``collective_latency_s`` after
-its last member arrives.  The other fields say
-where and how it was measured; ``process_start_s`` is informational (the simulation has no process start-up: an
-elastic event's ``prepare_s`` stands for everything PREPARE does).
+``connect_s`` more, a collective completes ``collective_latency_s`` after its last member arrives, and a planned
+collection (COMMIT's, exit's) holds its process ``collect_s``.  The other fields say where and how it was measured;
+``process_start_s`` is informational (the simulation has no process start-up: an elastic event's ``prepare_s``
+stands for everything PREPARE does).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class Calibration(BaseModel):
     connect_s: float = Field(0.0, ge=0, description="what the first READ towards a peer costs on top: loading its "
                                                      "metadata and wiring the endpoint up, seconds")
     process_start_s: float | None = Field(None, ge=0, description="a rank process until it can take commands")
+    collect_s: float = Field(0.0, ge=0, description="a planned gc.collect() in a process loaded as a rank is (torch, "
+                                                     "NIXL, epsim): the simulation's planned collections take it")
     concurrent_share: float | None = Field(None, gt=0, description=(
         "k READs of one process posted together over k single READs: 1 when they share its bandwidth (the "
         "simulation's model), 1/k when each has all of it; informational"))

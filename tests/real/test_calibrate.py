@@ -83,6 +83,7 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     cal = load(out)
     assert cal.bandwidth_Bps > 1e8 and cal.collective_latency_s > 0 and cal.process_start_s > 0
+    assert 0 < cal.collect_s < 10  # a planned gc.collect() in a process loaded as a rank is
     assert cal.concurrent_share is not None and cal.concurrent_share > 0  # recorded, not judged (timing)
     assert len(cal.points) == 3 and cal.memory == "DRAM" and cal.quick and cal.xfer_latency_s < 1.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json"]  # written through a file beside it

@@ -40,3 +40,18 @@ def test_the_phases_are_slices_of_the_perfetto_trace(tmp_path) -> None:
               if e.get("ph") == "X"]
     assert [s for s in slices if s.startswith("scale_down")] == [w for w, _, _ in r.spans
                                                                   if w.startswith("scale_down")]
+
+
+def test_a_calibrated_collection_is_what_the_commit_costs() -> None:
+    """With ``collect_s`` measured (epsim calibrate), each planned collection holds its rank that long: vLLM 0.33.0's
+    COMMIT collects twice (switch_and_prepare, warm_and_capture), the later revision once."""
+    from sim.calibration import Calibration
+
+    cal = Calibration(xfer_latency_s=1e-4, bandwidth_Bps=1e9, collect_s=0.2)
+    for lifecycle, collections in (("0.33.0", 2), ("pr-53947", 1)):
+        r = run_scenario(with_overrides(load("scale-up"), lifecycle=lifecycle), strategy="shared-agent",
+                         calibration=cal)
+        (commit,) = [b - a for w, a, b in r.spans if w == "scale_up.commit"]
+        assert commit == pytest.approx(collections * 0.2), lifecycle
+    plain = run_scenario(load("scale-up"), strategy="shared-agent")
+    assert [b - a for w, a, b in plain.spans if w == "scale_up.commit"] == [0.0]
