@@ -31,6 +31,24 @@ from .rng import Streams, Tape
 from .trace import History
 
 
+# The kernel pushes onto SimPy's event heap itself (seeded tie-breaks) and reads its clock attribute: private
+# attributes of SimPy 4.1 (tested: 4.1.2; pyproject pins the 4.1 series).  Another SimPy is refused in one line
+# rather than trusted to keep them.
+SIMPY_TESTED = "4.1"
+_simpy_checked = False
+
+
+def _check_simpy() -> None:
+    env = simpy.Environment()
+    version = getattr(simpy, "__version__", "unknown")
+    if not (isinstance(getattr(env, "_queue", None), list) and isinstance(getattr(env, "_now", None), (int, float))
+            and version.startswith(SIMPY_TESTED + ".")):
+        from .errors import BackendUnavailable
+
+        raise BackendUnavailable(f"simpy {version} is installed; epsim's kernel drives SimPy {SIMPY_TESTED}'s event "
+                                 f"heap: pip install 'simpy>={SIMPY_TESTED},<4.2'")
+
+
 class _Env(simpy.Environment):
     """SimPy with seeded tie-breaks: same-time, same-priority events run in an order drawn from a stream."""
 
@@ -77,6 +95,10 @@ class Kernel:
 
     def __init__(self, seed: int = 0, *, tape: Tape | None = None, tiebreak: bool = True,
                  stop_on_crash: bool = True) -> None:
+        global _simpy_checked
+        if not _simpy_checked:
+            _check_simpy()
+            _simpy_checked = True
         self.seed = seed
         self.streams = Streams(seed, tape)
         sched = self.streams.get("schedule", record=False)

@@ -271,3 +271,18 @@ def test_ctrl_c_while_a_thread_runs_interrupts_the_run_instead_of_being_its_cras
     with pytest.raises(KeyboardInterrupt):
         k.run()
     assert k.crashes == []
+
+
+def test_another_simpy_is_refused_in_one_line(monkeypatch) -> None:
+    """The kernel writes SimPy 4.1's event heap: a SimPy without it (or of another series) is a clear error."""
+    import simpy
+
+    from sim import kernel as kernel_mod
+    from sim.errors import BackendUnavailable
+
+    monkeypatch.setattr(kernel_mod, "_simpy_checked", False)
+    monkeypatch.setattr(simpy, "__version__", "5.0.0")
+    with pytest.raises(BackendUnavailable, match=r"simpy 5.0.0 is installed; .*pip install 'simpy>=4.1,<4.2'"):
+        kernel_mod.Kernel(0)
+    monkeypatch.undo()
+    kernel_mod.Kernel(0)  # the tested SimPy
