@@ -27,10 +27,10 @@ def _covering(items, key, start, length):
     return {p for k, s, e, p in items if k == key and s <= start and start + length <= e}
 
 
-@settings(max_examples=300, deadline=None)
-@given(ops)
-def test_answers_match_a_scan_across_changes(script):
-    index, items = SpanIndex(), []
+def _replay(index: SpanIndex, script):
+    """Apply the script's changes to ``index`` and to a plain list of (key, start, end, payload); yield at each
+    query: (the list now, the query's key, its spans)."""
+    items: list = []
     for op in script:
         if op[0] == "add":
             _, key, start, length, payload = op
@@ -43,17 +43,24 @@ def test_answers_match_a_scan_across_changes(script):
             if present:
                 del items[next(i for i, it in enumerate(items) if it[3] == payload)]
         else:
-            _, (mem, dev), spans = op
-            for _ in range(2):  # the second time from the memo
-                triples = tuple((start, length, dev) for start, length in spans)
-                found = index.find_each(mem, triples)
-                assert len(found) == len(spans)
-                for (start, length), payload in zip(spans, found):
-                    covering = _covering(items, (mem, dev), start, length)
-                    assert (payload in covering) if covering else payload is None
-                missing = index.first_uncovered((mem, dev), tuple(spans))
-                expected = next(((s, n) for s, n in spans if not _covering(items, (mem, dev), s, n)), None)
-                assert missing == expected
+            yield items, op[1], op[2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_answers_match_a_scan_across_changes(script):
+    index = SpanIndex()
+    for items, (mem, dev), spans in _replay(index, script):
+        for _ in range(2):  # the second time from the memo
+            triples = tuple((start, length, dev) for start, length in spans)
+            found = index.find_each(mem, triples)
+            assert len(found) == len(spans)
+            for (start, length), payload in zip(spans, found):
+                covering = _covering(items, (mem, dev), start, length)
+                assert (payload in covering) if covering else payload is None
+            missing = index.first_uncovered((mem, dev), tuple(spans))
+            expected = next(((s, n) for s, n in spans if not _covering(items, (mem, dev), s, n)), None)
+            assert missing == expected
 
 
 def test_a_list_answer_is_forgotten_when_a_range_goes():
@@ -91,22 +98,12 @@ def _nixl_answer(items, key, start, length):
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_the_nixl_rule_takes_the_range_that_starts_last(script):
-    index, items = SpanIndex("nixl"), []
-    for op in script:
-        if op[0] == "add":
-            _, key, start, length, payload = op
-            index.add(key, start, length, payload)
-            items.append((key, start, start + length, payload))
-        elif op[0] == "remove":
-            payload = op[1]
-            if index.remove(payload):
-                del items[next(i for i, it in enumerate(items) if it[3] == payload)]
-        else:
-            _, key, spans = op
-            for start, length in spans:
-                want = _nixl_answer(items, key, start, length)
-                got = index.find(key, start, length)
-                assert (got is None) if want is None else (got in want), (items, key, start, length, got)
+    index = SpanIndex("nixl")
+    for items, key, spans in _replay(index, script):
+        for start, length in spans:
+            want = _nixl_answer(items, key, start, length)
+            got = index.find(key, start, length)
+            assert (got is None) if want is None else (got in want), (items, key, start, length, got)
 
 
 def test_the_two_rules_differ_past_a_nested_range():
