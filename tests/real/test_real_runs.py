@@ -151,7 +151,7 @@ def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_b
 def test_a_prepare_fault_due_inside_the_window_fires_in_both_worlds():
     """A PREPARE fault due inside the PREPARE's window (steps 1000..1020 here) fired only in the simulation, which
     builds at the window's end: the real parent decided when it posted PREPARE, at step 1000.  Both now decide for
-    the step the window ends at (carried over since stop 25)."""
+    the step the window ends at."""
     fault = "storage.move:at_step=1015"
     sim, real = both(*UP_2_TO_3, "--strategy", "per-communicator-agent", "--fault", fault)
     assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}

@@ -53,9 +53,9 @@ def test_scale_up_under_torchrun_agrees_with_the_local_runner(tmp_path):
 
 def test_async_eplb_under_torchrun_opens_each_generation_s_ep_group_and_agrees():
     # Async EPLB adds a second gloo group per generation (the EP group of the main thread's readiness all_reduce),
-    # opened by every slot right after its EPLB group.  This run failed once in CI (stop 27) and was kept on
-    # spinning progress threads since; the likely cause was found in stop 31: the slots' events were shifted by
-    # one message's latency (docs/real-backend.md, torchrun), which put the last READs of a rebalance after their
+    # opened by every slot right after its EPLB group.  This run failed once in CI and was kept on spinning
+    # progress threads for a while; the likely cause was found later: the slots' events were shifted by one
+    # message's latency (docs/real-backend.md, torchrun), which put the last READs of a rebalance after their
     # source's agent was destroyed.  With that fixed, 40 of 40 runs passed with the suite's 1 ms poll and a core
     # kept busy, so it runs the suite's configuration again.
     real_nixl_or_skip()

@@ -543,7 +543,7 @@ def test_a_prepare_fault_is_decided_for_the_step_the_window_ends_at_on_every_see
     """scale-up's PREPARE serves steps 1000..1020 (prepare_s 1.0 s of 0.05 s steps) and builds at step 1020.  A
     storage.move due in the window's last serving chunk (1011..1020) fired on both ranks, on one or on none,
     by seed: the engine's step count and the PREPARE's wake-up fall on one instant, and the tie-break decided which
-    came first (found at stop 29: 4 of 12 seeds on one rank, 8 on none)."""
+    came first (seen as 4 of 12 seeds firing on one rank, 8 on none)."""
     for seed in range(8):
         fault = f"storage.move:at_step={at_step}"
         assert run_scenario(load("scale-up"), seed=seed, faults=[fault]).faults_fired == {fault: fired}, seed
