@@ -19,7 +19,7 @@ try:  # typer >= 0.25 vendors click; older releases depend on it
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
-from . import __version__
+from . import __version__, quiet
 from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line
 from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file, write_file_replacing
 
@@ -561,20 +561,6 @@ def bench(
     Console(width=max(120, Console().width)).print(table)
 
 
-def _quiet_fakes() -> None:
-    """Communicators and buffers a run leaked (``gc.never``, a broken strategy) are finalized at interpreter exit,
-    where the fake NIXL would log each call it refuses, as the real one prints to stderr, and the fake DeepEP would
-    print its leak warning.  The run's history already says what happened; after the command is done, those lines
-    would only be noise under its output."""
-    import logging
-
-    log = logging.getLogger("epsim.fakes.nixl")
-    log.propagate, log.handlers = False, [logging.NullHandler()]
-    deep_ep = sys.modules.get("fakes.deep_ep.buffer")  # only if a run used it: no imports at interpreter exit
-    if deep_ep is not None:
-        deep_ep.quiet_console_for_good()
-
-
 # Set by a simulated `epsim run` once its verdict is out: nothing is left but tearing down the simulated world (a
 # million history records and every rank's objects at DeepSeek scale, a second or two), which the OS does faster.
 _FAST_EXIT = [False]
@@ -590,7 +576,7 @@ def _exit(status: int, fast: bool) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
-    atexit.register(_quiet_fakes)
+    atexit.register(quiet.for_good)
     fast = argv is None  # the program itself, not a caller that goes on running in this process
     if fast and hasattr(faulthandler, "register"):  # `kill -USR1 PID`: every thread's stack on stderr, run goes on
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

@@ -27,10 +27,10 @@ from .sweep import RunSpec, execute, failed_row
 def _worker_main(conn) -> None:
     import atexit
 
-    from .cli import _quiet_fakes
+    from . import quiet
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    atexit.register(_quiet_fakes)  # what leaked runs' finalizers log at exit is in their histories
+    atexit.register(quiet.for_good)  # what leaked runs' finalizers log at exit is in their histories
     from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before any run's clock starts
     while True:
         try:

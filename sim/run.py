@@ -6,7 +6,6 @@ import contextlib
 import gc
 import io
 import json
-import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import crash as crash_mod
+from . import quiet
 from . import faults as fault_catalogue
 from .cluster import ENGINE_PID, Cluster
 from .errors import HarnessError, InternalError, ScenarioError, exception_line
@@ -82,31 +82,15 @@ def _finalize_leftovers() -> None:
     run's objects only), instead of at some later collection or at exit.  What its finalizers say (a leaked DeepEP
     buffer's warning, the fake NIXL refusing a dead agent's call) is in the run's history already; on stderr it
     would only be noise under the command's output."""
-    with _quiet_fakes(), contextlib.redirect_stderr(io.StringIO()):
+    with quiet.during_a_run(), contextlib.redirect_stderr(io.StringIO()):
         gc.collect()
-
-
-@contextlib.contextmanager
-def _quiet_fakes():
-    """The fake NIXL logs every refused call, as the real one does on stderr, and the fake DeepEP prints its leak
-    warning on stdout, as the real one does; inside a run the history says what happened, so both stay quiet."""
-    from fakes.deep_ep.buffer import quiet_console
-
-    log = logging.getLogger("epsim.fakes.nixl")
-    saved = log.propagate, log.handlers[:]
-    log.propagate, log.handlers = False, [logging.NullHandler()]
-    try:
-        with quiet_console():
-            yield
-    finally:
-        log.propagate, log.handlers = saved
 
 
 def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration) -> Result:
     started = time.perf_counter()
     cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
                       calibration=calibration)
-    with _quiet_fakes():
+    with quiet.during_a_run():
         cluster.run()
         wall = time.perf_counter() - started
         for thread, exc in cluster.kernel.crashes:

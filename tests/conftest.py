@@ -99,9 +99,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_unconfigure(config) -> None:
     # Communicators some tests leak on purpose (gc.never, broken strategies) are finalized at interpreter exit, where
     # the fake NIXL logs the calls it refuses; the tests have judged them already, as `epsim run` has (sim/cli.py).
-    from sim.cli import _quiet_fakes
+    from sim import quiet
 
-    _quiet_fakes()
+    quiet.for_good()
 
 
 # CI sets this too: there the package index is reachable, so failing to fetch vLLM's released sources is an error.
