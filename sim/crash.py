@@ -13,7 +13,8 @@ error), so the outer type alone says little.  :func:`describe` turns an exceptio
 - ``origin``: the innermost function of the code under test (its qualified name), what sweep signatures name.
 
 Paths are relative to site-packages or the working directory where they lie under one (vLLM's sources in a tree or
-in epsim's cache: from their ``vllm/`` package on), so results compare across machines.  None of this enters a run's history (and so its trace hash): line numbers change with every edit.
+in epsim's cache: from their ``vllm/`` package on), so results compare across machines.  None of this enters a run's
+history (and so its trace hash): line numbers change with every edit.
 """
 
 from __future__ import annotations

@@ -365,7 +365,8 @@ def transfer_notifications(b: Backend):
     _finish(b, bb, h)
     b.wait(lambda: [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()] and False or
            len(got.get("B", [])) >= 2)
-    return [{k: [m.decode() for m in v] for k, v in first.items()}, {k: [m.decode() for m in v] for k, v in got.items()}]
+    return [{k: [m.decode() for m in v] for k, v in first.items()},
+            {k: [m.decode() for m in v] for k, v in got.items()}]
 
 
 def _collect(a, got: dict) -> dict:

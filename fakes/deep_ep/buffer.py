@@ -321,7 +321,7 @@ class Buffer:
             out = []
             for dst in range(len(payloads)):
                 rows, idx, weights, layout = [], [], [], []
-                for src, (sx, sidx, sw, sin) in enumerate(payloads):
+                for sx, sidx, sw, sin in payloads:
                     tokens = torch.nonzero(sin[:, dst], as_tuple=False).flatten()
                     layout.append(tokens)
                     rows.append(sx[tokens])
@@ -354,7 +354,7 @@ class Buffer:
             hidden = payloads[0][0].shape[1:]
             sums = [torch.zeros((p[3],) + tuple(hidden), dtype=payloads[0][0].dtype) for p in payloads]
             wsums = [None] * len(payloads)
-            for dst, (rows, w, layout, _) in enumerate(payloads):
+            for rows, w, layout, _ in payloads:
                 start = 0
                 for src, tokens in enumerate(layout):
                     n = int(tokens.numel())

@@ -274,7 +274,7 @@ class nixl_agent:
         return self.notifs
 
     def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes, backends: list[str] = [],
-                               tag_is_prefix: bool = True) -> bool:  # noqa: B006
+                               tag_is_prefix: bool = True) -> bool:
         self.update_notifs(backends)
         for msg in self.notifs.get(remote_agent_name, []):
             if msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg:

@@ -219,9 +219,9 @@ class XferMixin:
         lt, rt = local.triples, remote.triples
         n = len(li)
         if li == ri and n == len(lt) == len(rt) and li == _in_order(n):  # every EPLB READ: both lists whole
-            pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt) if l[1] == r[1]]
+            pairs = [(loc[0], r[0], loc[1]) for loc, r in zip(lt, rt) if loc[1] == r[1]]
             if len(pairs) != n:
-                k = next(k for k, (l, r) in enumerate(zip(lt, rt)) if l[1] != r[1])
+                k = next(k for k, (loc, r) in enumerate(zip(lt, rt)) if loc[1] != r[1])
                 S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
             lregs, rregs = local.regions, remote.regions  # tuples, shared: never changed
         else:
@@ -253,8 +253,8 @@ class XferMixin:
         if len(lt) != len(rt):
             S.fail(S.INVALID_PARAM, f"createXferReq: different descriptor list sizes (local={len(lt)}, "
                                     f"remote={len(rt)})")
-        for k, (l, r) in enumerate(zip(lt, rt)):
-            if l[1] != r[1]:
+        for k, (loc, r) in enumerate(zip(lt, rt)):
+            if loc[1] != r[1]:
                 S.fail(S.INVALID_PARAM, f"createXferReq: length mismatch at index {k}")
         side, peer, lookup = self._remote_side(remote_agent, "createXferReq")
         lmem, rmem = int(local_descs.getType()), int(remote_descs.getType())
@@ -262,7 +262,7 @@ class XferMixin:
         rregs = [lookup(rmem, *t) for t in rt]
         if None in lregs or None in rregs:
             self._no_registration("createXferReq")
-        pairs = [(l[0], r[0], l[1]) for l, r in zip(lt, rt)]
+        pairs = [(loc[0], r[0], loc[1]) for loc, r in zip(lt, rt)]
         return self._new_req(op, remote_agent, peer.generation if peer else None, pairs, lregs, rregs, notif)
 
     def _new_req(self, op: Any, peer: str, generation: int | None, pairs, lregs, rregs, notif) -> int:

@@ -329,7 +329,8 @@ class LoadWindow:
     The simulator serves in chunks of steps, so a record may cover several steps (``steps``); the window keeps the
     newest records that cover ``window`` steps, and the oldest of them may reach further back (a window at chunk
     granularity; one step per record is vLLM's ring buffer exactly).  The engine splits serving where a periodic
-    rebalance's window starts, so there it holds exactly ``window`` steps.  It holds a few arrays, not ``window`` of them,
+    rebalance's window starts, so there it holds exactly ``window`` steps.  It holds a few arrays, not ``window`` of
+    them,
     which matters at DeepSeek scale (58 x 256 per step per rank).
     """
 

@@ -127,8 +127,10 @@ class Case:
 
 _LATE = [("wait 1 s", "error: operation timed out", 1), ("completed after the bound", "False", 1), ("wait", "ok", 2),
          ("sum", "6.0", 2), ("next all_reduce", "ok", 2), ("next sum", "3.0", 2)]
-_CLOSED_AT_1 = [("all_reduce", "error: connection closed by peer", 1), ("barrier", "error: connection closed by peer", 1)]
-_CLOSED_AT_2 = [("all_reduce", "error: connection closed by peer", 2), ("barrier", "error: connection closed by peer", 2)]
+_CLOSED_AT_1 = [("all_reduce", "error: connection closed by peer", 1),
+                ("barrier", "error: connection closed by peer", 1)]
+_CLOSED_AT_2 = [("all_reduce", "error: connection closed by peer", 2),
+                ("barrier", "error: connection closed by peer", 2)]
 
 CASES = {
     "wait_with_a_bound": Case(wait_with_a_bound, expected={

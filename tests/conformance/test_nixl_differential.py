@@ -183,7 +183,7 @@ def real_observations(player, program, fake) -> list:
         pytest.fail(f"real NIXL died {_where(real, program, fake)}, and again {_where(again, program, fake)} when "
                     f"played once more\nprogram: {program}")
     warnings.warn(RealLibraryRace(f"real NIXL died {_where(real, program, fake)} once and not when played again; "
-                                  f"program: {program}"))
+                                  f"program: {program}"), stacklevel=2)
     return again.steps
 
 

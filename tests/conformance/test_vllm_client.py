@@ -88,7 +88,7 @@ class World:
     """WORLD readers in one process; ``layout[layer][slot]`` is where every logical expert is now."""
 
     def __init__(self) -> None:
-        self.layout = [list(l) for l in IDENTITY]
+        self.layout = [list(row) for row in IDENTITY]
         self.weights = [make_weights(r, self.layout) for r in range(WORLD)]
         self.buffers = [make_buffer() for _ in range(WORLD)]
         self.readers = [EplbReader(r, WORLD, self.weights[r], self.buffers[r]) for r in range(WORLD)]
@@ -192,8 +192,8 @@ def test_closed_reader_leaves_the_others_working(client_world, world):
     assert gone.agent is None and gone._remote_agents == {}
     gone.close()  # idempotent
     # Ranks 0 and 1 swap everything they hold; rank 2's slots are -1 in old_indices and are not read.
-    second = [[world.layout[l][2], world.layout[l][3], world.layout[l][0], world.layout[l][1],
-               world.layout[l][4], world.layout[l][5]] for l in range(LAYERS)]
+    second = [[world.layout[n][2], world.layout[n][3], world.layout[n][0], world.layout[n][1],
+               world.layout[n][4], world.layout[n][5]] for n in range(LAYERS)]
     world.rebalance(second, ranks=[0, 1])
     world.assert_weights(ranks=[0, 1])
     assert world.layout == second

@@ -134,7 +134,8 @@ def test_with_explicitly_destroy_a_buffer_the_collector_never_reaches_does_no_ha
     done = epsim("run", "scale-up", "--set", "all2all.backend=deepep_low_latency", "--fault", "gc.never:what=buffer",
                  "--set", "all2all.nvshmem=elastic", "--set", "lifecycle=pr-53947", "--json")
     result = json.loads(done.stdout)
-    assert done.returncode == 0 and result["faults_fired"] == {"gc.never:what=buffer": 2}  # the two old ranks at the switch
+    # the two old ranks at the switch
+    assert done.returncode == 0 and result["faults_fired"] == {"gc.never:what=buffer": 2}
 
 
 def test_a_deep_ep_run_leaves_nothing_of_its_world_behind():
@@ -174,8 +175,8 @@ def test_prepare_waits_for_the_previous_reconfigurations_cleanup(tmp_path):
     # PREPARE for the scale-down (at 80 s) builds only once that cleanup is done; rank 1 builds at once.
     sc = scenario_mod.with_overrides(scenario_mod.load("elastic-cycle"),
                                      **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
-    run_scenario(sc, strategy="per-communicator-agent-deferred", faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"],
-                 out=tmp_path)
+    run_scenario(sc, strategy="per-communicator-agent-deferred",
+                 faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"], out=tmp_path)
     events = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     cleanup0 = next(e["t"] for e in events if e["kind"] == "all2all.cleanup" and e["pid"] == 0)
     built = {e["pid"]: e["t"] for e in events if e["kind"] == "comm.create" and e["gen"] == "eplb#2"}

@@ -117,7 +117,7 @@ def test_describe_walks_context_and_stops_at_a_suppressed_one() -> None:
         try:
             {}["missing"]
         except KeyError:
-            raise TypeError("bad handler")
+            raise TypeError("bad handler")  # noqa: B904 - raised while handling, on purpose: the chain under test
 
     c = crash.describe(_raise(handling))
     assert [(x["type"], x["via"]) for x in c["chain"]] == [("TypeError", None), ("KeyError", "context")]

@@ -58,8 +58,8 @@ def strategies(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "agents.py").write_text(AGENTS)
     (pkg / "comm.py").write_text(COMM.format(agents=".agents"))
-    (tmp_path / "toplevel_nixl_single.py").write_text(AGENTS + "\n\n" + COMM.replace("from {agents} import new_agent\n", "")
-                                                      .format())
+    single = AGENTS + "\n\n" + COMM.replace("from {agents} import new_agent\n", "").format()
+    (tmp_path / "toplevel_nixl_single.py").write_text(single)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 

@@ -413,7 +413,7 @@ def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_comm
     assert cluster.oracles.verdict()[0] == "pass"
     records = [(kind, f) for _, kind, f in cluster.kernel.history.records]
     overlapped = drained = 0
-    for i, (kind, f) in enumerate(records):
+    for i, (kind, _) in enumerate(records):
         if kind != "engine.rebalance":
             continue
         after = [k for k, _ in records[i + 1:]]

@@ -181,7 +181,7 @@ def test_a_branch_of_vllm_from_a_source_tree_gets_its_own_verdict(tmp_path, rele
 
 def test_a_branch_of_vllm_as_a_wheel(tmp_path, released, monkeypatch) -> None:
     monkeypatch.setenv("EPSIM_CACHE", str(tmp_path / "cache"))
-    tree = _branch(tmp_path, released, _first_row)
+    _branch(tmp_path, released, _first_row)  # writes tmp_path/vllm-branch
     wheel = tmp_path / "vllm-0.33.1.dev0-cp38-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         for path in sorted((tmp_path / "vllm-branch").rglob("*.py")):

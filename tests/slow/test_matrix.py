@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import (GC_FAULTS, LATER, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STRATEGIES,
-                        STREAM_MODES, STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle, render_stream_lag,
-                        render_vllm, run_deep_ep, run_lifecycle, run_matrix, run_stream_lag)
+from sim.matrix import (GC_FAULTS, LATER, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STREAM_MODES,
+                        STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle,
+                        render_stream_lag, render_vllm, run_deep_ep, run_lifecycle, run_matrix, run_stream_lag)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 

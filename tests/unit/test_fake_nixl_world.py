@@ -291,7 +291,7 @@ def test_listener_channels_see_the_same_transfer():
     assert "xfer.post" not in lifecycle and "register" in lifecycle
     xfers = [(k, f) for k, f in every if k.startswith("xfer.")]
     assert [k for k, _ in xfers] == [r[0] for r in raw] == ["xfer.post", "xfer.done"]
-    for (kind, fields), (_, agent, pid, conn, peer, target, op, nbytes, (local, remote)) in zip(xfers, raw):
+    for (_, fields), (_, agent, pid, conn, peer, target, op, nbytes, (local, remote)) in zip(xfers, raw):
         assert (fields["agent"], fields["pid"], fields["conn"], fields["peer"], fields["target"], fields["op"],
                 fields["nbytes"]) == (agent, pid, conn, peer, target, op, nbytes)
         assert fields["local"] == list(local) == [(w.u.data_ptr(), N)]

@@ -316,7 +316,8 @@ def test_duplicate_key(tmp_path):
 
 
 def test_anchors_and_merge_keys_are_not_duplicates(tmp_path):
-    text = SMALL.replace("timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n  - {at_step: 2000, kind: scale_down, to: 2}\n",
+    old = "timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n  - {at_step: 2000, kind: scale_down, to: 2}\n"
+    text = SMALL.replace(old,
                          "timeline:\n  - &up {at_step: 1000, kind: scale_up, to: 4, prepare_s: 2.0}\n"
                          "  - {<<: *up, at_step: 2000, kind: scale_down, to: 2}\n")
     s = S.load(write(tmp_path, text))

@@ -89,7 +89,7 @@ def test_every_rank_gets_its_own_containers_and_aliasing_survives() -> None:
     for g in groups:
         k.spawn(f"r{g.rank()}", rank_main, g, pid=10 + g.rank())
     k.run()
-    for r, gathered in got.items():
+    for gathered in got.values():
         assert gathered[1]["meta"] == {(0, 1): (100, 8, 0)} and gathered[1]["box"] == _Box([1])
         assert type(gathered[1]["ordered"]) is collections.OrderedDict
         assert gathered[0]["twice"][0] is gathered[0]["twice"][1]  # aliasing inside one contribution kept
