@@ -109,7 +109,7 @@ class Engine:
                                                                if e.kind in ("scale_up", "scale_down")]
             if self.step >= next_rebalance:
                 # Async EPLB moves the layers while serving goes on (vLLM's EplbState.step, one layer per forward
-                # step); a commit, the next rebalance or the last one drains what is still in flight.
+                # step); a rebalance due while one is in flight waits for it (0.33.0) or drains it (pr-53947).
                 if not self.rebalance(drain=False):
                     return
                 next_rebalance += sc.eplb.step_interval
@@ -288,9 +288,8 @@ class Engine:
                 return False
             phase = self._phase(event, "abort", phase)
             ok = self._retire([w.pid for w in fresh], rdv)
-            if ok:
-                self._phase(event, "exit", phase)
             if ok:  # an abort completes the reconfiguration too: the ranks that were to join are gone
+                self._phase(event, "exit", phase)
                 self.reconfigured(self.members)
             return ok
         # vLLM 0.33.0 drains async EPLB over the old EP group before the scale-up's commit (broadcast_expert_mapping)
@@ -308,8 +307,8 @@ class Engine:
             self._set_members(rdv)
             self._phase(event, "commit", phase)
             # vLLM schedules the reshuffle and resumes serving: under async EPLB the layers reach the new ranks one
-            # per forward step (a new rank's slots take no tokens until its layer lands), and the next commit or
-            # rebalance drains what is still in flight.
+            # per forward step (a new rank's slots take no tokens until its layer lands); what is still in flight
+            # when the next reconfiguration or rebalance comes is drained or waited for as the revision does.
             ok = self.rebalance(mapping={r: r for r in range(len(old_members))}, drain=False, label=reshuffle)
         else:  # scale-down: rebalance through the old group first, then the survivors commit and the rest leave
             mapping = {r: (r if r < size else -1) for r in range(len(old_members))}
