@@ -168,7 +168,7 @@ class RealWorker:
         # thread staged and the main thread has not taken, the event it waits on), guarded by one condition; and
         # the EP group that vLLM's readiness all_reduce runs on, beside the communicator's EPLB group.
         self.rebalanced = False
-        self.pending: tuple[int, Any, Any] | None = None  # (layer, plan, stream)
+        self.pending: tuple[int, Any] | None = None  # (layer, its move_from_buffer to issue)
         self.consumed: threading.Event | None = None
         self.eplb_state = threading.Condition()
         self.ep_group: Any = None
@@ -256,29 +256,26 @@ class RealWorker:
         if self._forward_work is not None:
             self._forward_work.launch()
 
-    def _eplb_step(self) -> None:
+    def _eplb_step(self) -> bool:
+        """As the simulation's worker: whether every rank had its layer staged, and so took it."""
         import torch
         import torch.distributed as dist
 
         with self.eplb_state:
             ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
         dist.all_reduce(ready, group=self.ep_group)
-        if int(ready.item()) == self.ep_group.size():
-            self._take_layer()
+        if int(ready.item()) != self.ep_group.size():
+            return False
+        self._take_layer()
+        return True
 
     def _take_layer(self) -> None:
-        from sim.eplb import move
-
         with self.eplb_state:
-            layer, plan, stream = self.pending
+            layer, move_from_buffer = self.pending
             self.pending = None
             consumed, self.consumed = self.consumed, None
             try:
-                if isinstance(plan, tuple):  # vLLM's move_from_buffer
-                    loop, meta, new_p2l, rank = plan
-                    loop.move_from_buffer(layer, new_p2l, meta, self.weights[layer], self.buffer, rank, stream)
-                else:
-                    move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, stream, layer)
+                move_from_buffer()
                 if layer == len(self.weights) - 1:
                     self.rebalanced = False
                     self.eplb_state.notify_all()  # a PREPARE waiting for the rebalance to land (_prepare)
@@ -327,19 +324,11 @@ class RealWorker:
     def drain_async(self) -> None:
         """vLLM 0.33.0's ``drain_async`` (as the simulation's worker): the readiness all_reduce over the EP group
         until the last layer is in, each rank taking the layer when every rank has it, else polling again in 1 ms."""
-        import torch
-        import torch.distributed as dist
-
         th = self.async_thread
         if th is None:
             return
         while self.rebalanced and th.is_alive():
-            with self.eplb_state:
-                ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
-            dist.all_reduce(ready, group=self.ep_group)
-            if int(ready.item()) == self.ep_group.size():
-                self._take_layer()
-            else:
+            if not self._eplb_step():
                 time.sleep(0.001)
 
     def join_async(self) -> None:
@@ -373,11 +362,13 @@ class RealWorker:
 
         comm, rank = self.comm, self.group.rank()
         loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
-        self.history("eplb.move_loop", loop="vllm" if loop is not None else "epsim")
-        if loop is not None and not paced:
+        if loop is not None:
+            self.history("eplb.move_loop", loop="vllm")  # a metric (real_backends/judge.py), as in the simulation
+        at_once = loop is not None and not paced  # vLLM's rearrange_expert_weights_inplace moves every layer itself
+        if at_once:
             loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
                            comm, mapping, stream)
-        for layer in range(old.num_layers if loop is None or paced else 0):
+        for layer in range(0 if at_once else old.num_layers):
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
             if not paced:
@@ -399,15 +390,18 @@ class RealWorker:
             if loop is None:
                 move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                     stream)
+                take = functools.partial(move.issue_move_from_buffer, self.weights[layer], self.buffer, plan,
+                                         self._rows, stream, layer)
             else:
                 meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
                                            self.weights[layer], self.buffer, self.group, comm, mapping, stream)
-                plan = (loop, meta, new.physical_to_logical, rank)  # what vLLM's main thread takes
+                take = functools.partial(loop.move_from_buffer, layer, new.physical_to_logical, meta,
+                                         self.weights[layer], self.buffer, rank, stream)
             if stream is not None:
                 stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             consumed = threading.Event()
             with self.eplb_state:
-                self.consumed, self.pending = consumed, (layer, plan, stream)
+                self.consumed, self.pending = consumed, (layer, take)
                 self.eplb_state.notify_all()
             consumed.wait()
         # What the simulation's time model predicts: the load all-reduce and the layers' moves, not the checks below.

@@ -79,7 +79,7 @@ class Cluster(Engine):
         self._cache: dict[Any, Any] = {}
         self.streams: dict[int, device.DeviceStream] = {}  # pid -> its simulated CUDA stream (sim/device.py)
         self.recvs_planned = 0  # expert receives the rebalances asked of the code under test (see unjudged())
-        self.move_loops: set[str] = set()  # whose move loop moved the experts: "vllm" (vLLM's own), "epsim"
+        self.vllm_moved = False  # vLLM's own rebalance_execute moved experts (not epsim's model of it)
 
     # -- plumbing for the fakes ---------------------------------------------------------------------------------
     def _whoami(self) -> int:

@@ -127,7 +127,7 @@ def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired() if t <= first.t]
     crash = first.crash if first is not None else None
     metrics = dict(cluster.oracles.metrics)
-    if "vllm" in cluster.move_loops:  # vLLM's rebalance_execute moved the experts, not epsim's model of it
+    if cluster.vllm_moved:  # vLLM's rebalance_execute moved the experts, not epsim's model of it
         metrics["move_loop"] = "vllm"
     return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
                   len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],

@@ -8,6 +8,7 @@ the async EPLB daemon).  The communicator is the code under test; everything els
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,8 @@ class Worker:
         self._queue: list[Command] = []
         self.async_thread = None
         # vLLM's EplbState per model under async EPLB: a rebalance in flight (``rebalanced``), the layer the async
-        # thread has staged in expert_buffer and the main thread has not taken yet (``pending``: layer, plan), and
+        # thread has staged in expert_buffer and the main thread has not taken yet (``pending``: the layer, and its
+        # move_from_buffer to issue), and
         # the event the async thread waits on until it is taken (``consumed``); ``staged`` wakes a drain.
         self.rebalanced = False
         self.pending: tuple[int, Any] | None = None
@@ -205,24 +207,23 @@ class Worker:
             self._ep_groups = (self.group, _ep_group_of(self.group))
         return self._ep_groups[1]
 
-    def _eplb_step(self) -> None:
-        """vLLM's ``_all_ranks_result_ready``, then ``_move_to_workspace`` when every rank has its layer staged."""
+    def _eplb_step(self) -> bool:
+        """vLLM's ``_all_ranks_result_ready``, then ``_move_to_workspace`` when every rank has its layer staged;
+        whether it took one."""
         ep = self._ep_group()
         ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
         dist.all_reduce(ready, group=ep)
-        if int(ready.item()) == ep.size():
-            self._take_layer()
+        if int(ready.item()) != ep.size():
+            return False
+        self._take_layer()
+        return True
 
     def _take_layer(self) -> None:
         """The main thread takes the staged layer: ``move_from_buffer`` on the compute stream, then the consumed
         event lets the async thread start the next layer's transfers; the last layer ends the rebalance."""
-        layer, plan = self.pending
+        layer, move_from_buffer = self.pending
         self.pending = None
-        if isinstance(plan, tuple):  # vLLM's move_from_buffer
-            loop, meta, new_p2l, rank = plan
-            loop.move_from_buffer(layer, new_p2l, meta, self.weights[layer], self.buffer, rank, self.stream)
-        else:
-            move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
+        move_from_buffer()
         if layer == len(self.weights) - 1:
             self.rebalanced = False
         consumed, self.consumed = self.consumed, None
@@ -278,12 +279,7 @@ class Worker:
         if th is None:
             return
         while self.rebalanced and th.alive:
-            ep = self._ep_group()
-            ready = torch.tensor([int(self.pending is not None)], dtype=torch.int32)
-            dist.all_reduce(ready, group=ep)
-            if int(ready.item()) == ep.size():
-                self._take_layer()
-            else:
+            if not self._eplb_step():
                 self.kernel.sleep(0.001, "draining async EPLB")
 
     def join_async(self) -> None:
@@ -313,13 +309,14 @@ class Worker:
                                        "expert copies")
         self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
         loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
-        self.cluster.move_loops.add("vllm" if loop is not None else "epsim")
-        if loop is not None and not paced:
+        self.cluster.vllm_moved |= loop is not None
+        at_once = loop is not None and not paced  # vLLM's rearrange_expert_weights_inplace moves every layer itself
+        if at_once:
             for layer in range(old.num_layers):
                 self.cluster.recvs_planned += len(self.cluster.plan(old, new, layer, mapping)[rank].recvs)
             loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
                            comm, mapping, self.stream)
-        for layer in range(old.num_layers if loop is None or paced else 0):
+        for layer in range(0 if at_once else old.num_layers):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
             self.cluster.recvs_planned += len(plan.recvs)
@@ -346,13 +343,16 @@ class Worker:
             if loop is None:
                 move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
                                     self.stream)
+                take = functools.partial(move.issue_move_from_buffer, self.weights[layer], self.buffer, plan,
+                                         self._rows, self.stream, layer)
             else:
                 meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
                                            self.weights[layer], self.buffer, self.group, comm, mapping, self.stream)
-                plan = (loop, meta, new.physical_to_logical, rank)  # what vLLM's main thread takes
+                take = functools.partial(loop.move_from_buffer, layer, new.physical_to_logical, meta,
+                                         self.weights[layer], self.buffer, rank, self.stream)
             self.stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             self.consumed = self.kernel.env.event()
-            self.pending = (layer, plan)
+            self.pending = (layer, take)
             if self.staged is not None and not self.staged.triggered:
                 self.staged.succeed()
             self.kernel.wait(self.consumed, "async EPLB: waiting for the main thread to take the layer")

@@ -161,7 +161,6 @@ class MemoryMixin:
             return (addr * 31 + length * 7 + dev * 3 + mem) & 0xFFFF_FFFF
         return self.fabric.new_id()
 
-    @S.returns_status
     def registerMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         _check_dlist(descs, nixlRegDList, "registerMem")
@@ -191,6 +190,7 @@ class MemoryMixin:
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in new]
         self.fabric.emit("register", agent=self.name, pid=self.pid, conn=self.conn,
                          ranges=[(r.addr, r.length) for r in new])
+        return S.nixl_status_t.NIXL_SUCCESS
 
     def _refuse_shared_pages(self, new: list[Region]) -> None:
         # Byte ranges, not whole pages: allocators put unrelated small buffers on one page, and what was reported
@@ -203,7 +203,6 @@ class MemoryMixin:
                                       "registered in this process (rocm-strict profile)")
             taken.append(r)
 
-    @S.returns_status
     def deregisterMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         _check_dlist(descs, nixlRegDList, "deregisterMem")
@@ -240,6 +239,7 @@ class MemoryMixin:
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in removed]
         self.fabric.emit("deregister", agent=self.name, pid=self.pid, conn=self.conn,
                          ranges=[(r.addr, r.length) for r in removed])
+        return S.nixl_status_t.NIXL_SUCCESS
 
     def getLocalMD(self) -> bytes:
         self._enter()

@@ -73,11 +73,11 @@ class PeersMixin:
                          sections=table.count)
         return name.encode()
 
-    @S.returns_status
     def invalidateRemoteMD(self, name: str) -> S.nixl_status_t:
         self._enter()
         if self.peers.pop(name, None) is not None:
             self.fabric.emit("peer.remove", agent=self.name, pid=self.pid, conn=self.conn, peer=name)
+        return S.nixl_status_t.NIXL_SUCCESS
 
     def checkRemoteMD(self, name: str, descs: Any) -> S.nixl_status_t:
         self._enter()
@@ -94,11 +94,11 @@ class PeersMixin:
                 return S.nixl_status_t.NIXL_ERR_NOT_FOUND
         return S.nixl_status_t.NIXL_SUCCESS
 
-    @S.returns_status
     def makeConnection(self, name: str, backends: list | None = None) -> S.nixl_status_t:
         self._enter()
         if name not in self.peers:
             S.fail(S.NOT_FOUND, f"makeConnection: metadata for remote agent '{name}' not found")
+        return S.nixl_status_t.NIXL_SUCCESS
 
     # -- reachability -----------------------------------------------------------------------------------------
     def _target(self, peer: Peer):
@@ -110,12 +110,11 @@ class PeersMixin:
         self.fabric.emit("peer.fail", agent=self.name, pid=self.pid, peer=peer.name, why=why)
 
     # -- notifications ----------------------------------------------------------------------------------------
-    @S.returns_status
     def genNotif(self, name: str, msg: bytes | str, backend: int | None = None) -> S.nixl_status_t:
         self._enter()
         if name == self.name:  # to itself, over the loopback endpoint
             self._send_notif(self, name, msg)
-            return
+            return S.nixl_status_t.NIXL_SUCCESS
         peer = self.peers.get(name)
         if peer is None:
             S.fail(S.NOT_FOUND, "genNotif: no specified or potential backend could send the inter-agent "
@@ -124,6 +123,7 @@ class PeersMixin:
         if target is None:
             S.fail(S.REMOTE_DISCONNECT, f"genNotif: remote agent '{name}' is disconnected")
         self._send_notif(target, peer.name, msg)
+        return S.nixl_status_t.NIXL_SUCCESS
 
     def _send_notif(self, target, peer_name: str, msg: bytes | str) -> None:
         data = msg.encode() if isinstance(msg, str) else bytes(msg)

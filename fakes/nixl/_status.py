@@ -162,16 +162,3 @@ def name_of(code: int) -> str:
 NIXL_INIT_AGENT = ""
 DEFAULT_COMM_PORT = 8888
 
-
-def returns_status(fn):
-    """A bindings call that NIXL 1.5.1 declares ``-> nixl_status_t``: ``NIXL_SUCCESS`` where the fake's body returns
-    nothing (an error is raised, as the real bindings raise it).  Observed: registerMem and deregisterMem return
-    ``NIXL_SUCCESS`` (``fakes/conformance``, case ``status_returns``); the others follow the bindings' signatures."""
-    import functools
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        return nixl_status_t.NIXL_SUCCESS if result is None else result
-
-    return call

@@ -193,10 +193,10 @@ class XferMixin:
                                            peer.generation if peer else None, mem, triples, regions)
         return handle
 
-    @S.returns_status
     def releasedDlistH(self, handle: int) -> S.nixl_status_t:
         if self.dlists.pop(handle, None) is not None:
             self.released_handles.add(handle)
+        return S.nixl_status_t.NIXL_SUCCESS
 
     # -- requests ---------------------------------------------------------------------------------------------
     def makeXferReq(self, op: Any, local_h: int, local_idx: Any, remote_h: int, remote_idx: Any,
@@ -493,7 +493,6 @@ class XferMixin:
             self.fabric.poll_wait(req.due)
         return S.nixl_status_t.NIXL_IN_PROG
 
-    @S.returns_status
     def releaseXferReq(self, handle: int) -> S.nixl_status_t:
         self._enter()
         req = self.xfers.get(handle) or self._req(handle, "releaseXferReq")
@@ -508,6 +507,7 @@ class XferMixin:
                     self.req_owners[req.owner] = left
                 else:
                     del self.req_owners[req.owner]
+        return S.nixl_status_t.NIXL_SUCCESS
 
     # -- queries ------------------------------------------------------------------------------------------------
     def estimateXferCost(self, handle: int) -> tuple[int, int, int]:
