@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .device import DeviceView
+from .device import DeviceView, host
 
 REBALANCE_MODULE = "vllm.distributed.eplb.rebalance_execute"
 
@@ -51,12 +51,8 @@ def _view(t: torch.Tensor, device: torch.device, stream: Any) -> StreamView:
     return view
 
 
-def _plain(t: Any) -> Any:
-    return torch.Tensor.as_subclass(t, torch.Tensor) if isinstance(t, torch.Tensor) else t
-
-
 def _issue_copy(dst: StreamView, src: Any) -> StreamView:
-    into, source = _plain(dst), _plain(src)
+    into, source = host(dst), host(src)
     stream = dst._epsim_stream
     if stream is None:
         into.copy_(source, non_blocking=True)
@@ -69,8 +65,9 @@ def stream_views(tensors: Any, device: torch.device, stream: Any) -> Any:
     """``tensors`` (a tensor, or nested lists of them) as stream views: the same storage, ``device`` as their
     device where they live in host memory (vLLM's code insists on a GPU), copies issued on ``stream``."""
     if isinstance(tensors, torch.Tensor):
-        real = torch.Tensor.device.__get__(_plain(tensors))
-        return _view(_plain(tensors), device if real.type == "cpu" else real, stream)
+        plain = host(tensors)
+        real = torch.Tensor.device.__get__(plain)
+        return _view(plain, device if real.type == "cpu" else real, stream)
     return [stream_views(t, device, stream) for t in tensors]
 
 
