@@ -128,9 +128,13 @@ def _copy(value: Any, copiers: dict[int, Callable[[], Any]] | None = None) -> An
 class Rendezvous:
     """What the members of one group generation share."""
 
-    def __init__(self, kernel, name: str, pids: list[int], timeout_s: float = 300.0, latency_s: float = 0.0) -> None:
+    def __init__(self, kernel, name: str, pids: list[int], timeout_s: float = 300.0,
+                 latency_s: float | Callable[[str], float] = 0.0) -> None:
         self.kernel, self.name, self.pids, self.timeout_s = kernel, name, list(pids), timeout_s
-        self.latency_s = latency_s  # from the last arrival to the result (a calibration measures gloo's)
+        # From the last arrival to the result (a calibration measures gloo's): seconds, or asked of a callable with
+        # the collective's kind when it completes (an object collective pickles and makes two; the cost depends on
+        # how many processes share the host then).
+        self.latency_s = latency_s
         self._ops: dict[int, _Op] = {}
         self._next_seq = [0] * len(pids)
         self._destroyed = False
@@ -225,8 +229,9 @@ class Rendezvous:
                 op.error, results = (rank, exc), None
                 self._close(f"collective #{seq} failed on rank {rank}")
             del self._ops[seq]
-            if self.latency_s > 0:
-                self.kernel.env.timeout(self.latency_s).callbacks.append(
+            latency = self.latency_s(kind) if callable(self.latency_s) else self.latency_s
+            if latency > 0:
+                self.kernel.env.timeout(latency).callbacks.append(
                     lambda _, done=op.done, results=results: done.succeed(results))
             else:
                 op.done.succeed(results)

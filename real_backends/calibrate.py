@@ -1,21 +1,20 @@
 """``epsim calibrate``: measure the real backend's timing, hand it to the simulation, and say how far apart they are.
 
-Measured, between two processes on this host as ranks are:
+Measured on this host:
 
-- READ time against size (64 KiB to expert-sized 64 MiB; host memory, or VRAM with ``--device cuda``) through
-  the EPLB communicator's calls (descriptor lists prepared, the READ posted and polled to DONE, everything
-  released): fitted as ``latency + bytes / bandwidth`` (the simulation's transfer time model), by relative error;
-  the first READ after loading a peer, over a steady one, is the connection cost (``connect_s``);
-- a gloo ``all_reduce`` of one float on loopback between two processes that each hold a NIXL agent (its progress
-  thread competes for the cores, as in a rank): the barrier every layer's ``execute()`` ends with;
-- a rank process's start-up until it can take commands (imports, an agent): informational;
-- four READs of 4 MiB posted together against four single READs (``benchmarks/concurrent_reads.py``): near 1 when
-  a process's READs share its bandwidth, as the simulation models them, near 1/4 if each had all of it;
-  informational.
+- with 2, 3, ... processes loaded as ranks are, all at once (``real_backends/host_load.py``): an agent's creation,
+  a registration, the remote setup, layer-like rounds of READs and a barrier (fitted as ``latency + k * post +
+  k * bytes / bandwidth``), a collective and a full ``gc.collect()``.  The simulation charges each cost at the
+  number of rank processes alive (``Calibration.costs``): on a host with fewer cores than busy threads, every one
+  grows with them;
+- between two processes, as before: READ time against size through the EPLB communicator's calls (64 KiB to
+  64 MiB, fitted by relative error), a one-float gloo ``all_reduce``, a rank process's start-up from a fresh
+  interpreter, four READs posted together against four single ones, and a ``gc.collect()`` alone.  They are
+  recorded and used only by a calibration without the rows above.
 
-Then the comparison: one scenario (scale-up 2->3 with 1 MiB expert rows, so every READ moves real expert-sized
-bytes) runs on the real backend and in the simulation with the calibration; each rebalance and the
-reconfiguration are timed in both worlds and the relative error of the simulated time is reported.
+Then the comparison: scenarios of several sizes (ranks, layers, expert row sizes), none of them used by the fits,
+run on the real backend and in the simulation with the calibration; every rebalance, each reconfiguration and
+each of its phases is timed in both worlds, and the summary gives the median error of each kind.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ import statistics
 import time
 from typing import Any
 
-from sim.calibration import Calibration, fit
+from sim.calibration import Calibration, HostLoad, fit
+
+from .nixl_real import progress_delay_us
 
 COLLECTIVE_REPEATS = 200
 ROW_FLOATS = 1 << 18  # 1 MiB expert rows in the comparison scenario (2 tensors: 2 MiB per expert)
@@ -147,10 +148,15 @@ def measure_process_start(repeats: int = 3) -> float:
 
 # What each measurement takes: in full, and with ``--quick`` (a smoke test of the whole path, as CI and a GPU job's
 # first minute want it: about half the time on a 2-core machine, too few samples to trust the numbers).
+KIB = 1 << 10
 FULL = {"sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
-        "share_mib": 4, "share_repeats": 5, "collects": 7}
+        "share_mib": 4, "share_repeats": 5, "collects": 7,
+        "load": {"ranks": (2, 3, 4), "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB), "reads": (1, 2, 4),
+                 "repeats": 7, "collects": 3}}
 QUICK = {"sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
-         "share_repeats": 3, "collects": 3}
+         "share_repeats": 3, "collects": 3,
+         "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3,
+                  "collects": 1}}
 
 
 def _finite(seconds: float) -> float:
@@ -168,16 +174,38 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     latency, bandwidth = fit(points)
     # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
-    return Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
+    measured = Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
                        collective_latency_s=measure_collective(how["collectives"]),
                        process_start_s=measure_process_start(how["starts"]),
                        collect_s=_finite(measure_collect(how["collects"])),
                        concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
                                                                  repeats=how["share_repeats"]),
                        quick=quick, device=device, memory=reads["memory"],
+                       progress_delay_us=progress_delay_us(), loaded=measure_loaded(how["load"], device),
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        points=[{"bytes": b, "seconds": t} for b, t in points])
+    return fit_stalls(measured, device)[0]
+
+
+def measure_loaded(plan: dict[str, Any], device: str = "cpu") -> list[HostLoad]:
+    """A :class:`HostLoad` row for each number of rank processes in ``plan["ranks"]``."""
+    from . import host_load
+
+    rows = []
+    for n in plan["ranks"]:
+        got = host_load.measure(n, {**plan, "device": device})
+        latency, post, bandwidth = host_load.fit_rounds(got["rounds"], got["collective_s"])
+        copy_latency, copy_bandwidth = fit(got["copies"])
+        rows.append({**{k: v for k, v in got.items() if k not in ("rounds", "copies")}, "xfer_latency_s": latency,
+                     "post_s": post, "bandwidth_Bps": bandwidth, "copy_latency_s": copy_latency,
+                     "copy_Bps": copy_bandwidth, "rounds": [list(r) for r in got["rounds"]]})
+    # With two processes an agent loads one peer: its later add_remote_agent takes the rows that measured one.
+    later = [r["remote_setup_s"] for r in rows if r["remote_setup_s"] is not None]
+    for r in rows:
+        if r["remote_setup_s"] is None:
+            r["remote_setup_s"] = statistics.median(later) if later else r["first_remote_setup_s"]
+    return [HostLoad(**r) for r in rows]
 
 
 def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, repeats: int = 5) -> float:
@@ -187,42 +215,148 @@ def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, re
     return concurrent_reads.measure(device, k, (mib,), repeats)["sizes"][f"{mib:g}MiB"]["together_over_k_one"]
 
 
-def comparison_scenario():
-    """scale-up 2->3 with 1 MiB expert rows: the nominal size is the real one, so both worlds move the same bytes."""
+# The comparison's scenarios: (built-in scenario, strategy, ranks, target size, layers, expert row bytes).  The first
+# is the fitting run (each rank count's stall_s is fitted on its rebalances); the others are judged on sizes and row
+# sizes no fit saw, 4 ranks among them (its stall_s extrapolated).  per-communicator-agent on the scale-down: it is
+# the strategy that passes there (the others keep a departed rank's agent as a peer), and it makes an agent per
+# communicator.
+FIT_CASE = ("scale-up", "shared-agent", 2, 3, 4, 1 << 20)
+COMPARISONS = (("scale-up", "shared-agent", 2, 4, 2, 256 * KIB),
+               ("scale-up", "shared-agent", 3, 4, 8, 1 << 20),
+               ("scale-down", "per-communicator-agent", 3, 2, 4, 1 << 20),
+               ("scale-up", "per-communicator-agent", 2, 3, 1, 4 << 20))
+QUICK_COMPARISONS = COMPARISONS[:1]
+
+
+def comparison_scenario(name: str = "scale-up", ranks: int = 2, to: int = 3, layers: int = 4,
+                        row_bytes: int = ROW_FLOATS * 4):
+    """``name`` from ``ranks`` to ``to`` ranks with ``layers`` layers and expert rows of ``row_bytes`` (per weight
+    tensor): the nominal size is the real one, so both worlds move the same bytes."""
     from sim import scenario as scenario_mod
 
-    sc = scenario_mod.load("scale-up")
+    sc = scenario_mod.load(name)
     return scenario_mod.with_overrides(sc, **{
-        "timeline.0.to": 3, "max_ranks": 3, "model.hidden": ROW_FLOATS,
-        "model.nominal_expert_bytes": ROW_FLOATS * 4 * sc.model.tensors_per_layer})
+        "ranks": ranks, "timeline.0.to": to, "max_ranks": max(ranks, to), "model.layers": layers,
+        "model.hidden": row_bytes // 4, "model.nominal_expert_bytes": row_bytes * sc.model.tensors_per_layer})
 
 
-def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0) -> dict[str, Any]:
-    """Simulated against measured time of each rebalance and reconfiguration of :func:`comparison_scenario`."""
+def as_real_runs(sc):
+    """The scenario as the real backend runs it: its ranks serve without taking time (a rebalance's steps aside),
+    so a PREPARE lasts as long as building takes.  The simulation gets the same: steps of 0.1 ms and no fixed
+    ``prepare_s``, so the build's own costs decide PREPARE in both worlds."""
+    from sim import scenario as scenario_mod
+
+    over = {"serving.step_time_s": 1e-3}
+    over.update({f"timeline.{i}.prepare_s": 0.0 for i in range(len(sc.timeline))})
+    return scenario_mod.with_overrides(sc, **over)
+
+
+def compare_one(calibration: Calibration, case: tuple, device: str = "cpu", timeout_s: float = 300.0
+                ) -> dict[str, Any]:
+    """Simulated against measured time of each rebalance and reconfiguration (and its phases) of one case."""
     from sim.run import run_scenario
 
     from .run import run_real
 
-    sc = comparison_scenario()
+    name, strategy, ranks, to, layers, row_bytes = case
+    sc = comparison_scenario(name, ranks, to, layers, row_bytes)
     profile = "cuda" if device == "cuda" else "dram"
-    sim = run_scenario(sc, strategy="shared-agent", profile=profile, calibration=calibration)
-    real = run_real(sc, strategy="shared-agent", device=device, timeout_s=timeout_s)
+    sim = run_scenario(as_real_runs(sc), strategy=strategy, profile=profile, calibration=calibration)
+    real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
     rows = []
-    # Spans are compared in order while both runs did the same thing; where they part (a run failed or stopped
-    # early), the comparison says so instead of ending silently.
-    for (what, a, b), (what_r, c, d) in zip(sim.spans, real.spans):
-        if what != what_r:
-            break
-        simulated, measured = b - a, d - c
+    # The n-th span of a kind in one world against the n-th of that kind in the other: the worlds may serve a few
+    # steps more or less while a PREPARE builds, and so make one rebalance more or less at the end; a run that
+    # failed or stopped early has fewer.  The comparison says when the counts differ instead of ending silently.
+    seen: dict[str, int] = {}
+    measured_of: dict[tuple[str, int], float] = {}
+    for what, c, d in real.spans:
+        measured_of[(what, seen.get(what, 0))] = d - c
+        seen[what] = seen.get(what, 0) + 1
+    seen.clear()
+    for what, a, b in sim.spans:
+        key = (what, seen.get(what, 0))
+        seen[what] = key[1] + 1
+        if key not in measured_of:
+            continue
+        simulated, measured = b - a, measured_of[key]
         rows.append({"what": what, "simulated_s": round(simulated, 6), "measured_s": round(measured, 6),
                      "error": round((simulated - measured) / measured, 3) if measured > 0 else None})
-    summary = {}
-    for kind in sorted({r["what"] for r in rows}):
-        errors = [r["error"] for r in rows if r["what"] == kind and r["error"] is not None]
-        if errors:
-            summary[kind] = {"count": len(errors), "median_error": round(statistics.median(errors), 3)}
     complete = len(rows) == len(sim.spans) == len(real.spans) and sim.verdict == real.verdict == "pass"
-    return {"scenario": f"{sc.name} 2->3, {ROW_FLOATS * 4 >> 20} MiB expert rows", "sim_verdict": sim.verdict,
-            "real_verdict": real.verdict, "real_detail": real.detail, "complete": complete,
-            "spans_simulated": len(sim.spans), "spans_measured": len(real.spans), "spans": rows,
-            "summary": summary}
+    kib = row_bytes >> 10
+    rows_label = f"{kib >> 10} MiB" if kib >= 1024 else f"{kib} KiB"
+    return {"scenario": f"{name} {ranks}->{to}, {layers} layers, {rows_label} expert rows, {strategy}",
+            "sim_verdict": sim.verdict, "real_verdict": real.verdict, "real_detail": real.detail,
+            "complete": complete, "spans_simulated": len(sim.spans), "spans_measured": len(real.spans),
+            "spans": rows}
+
+
+def _rebalances(spans) -> list[float]:
+    """Seconds of each plain rebalance (not a reshuffle), in order."""
+    return [b - a for what, a, b in spans if what == "rebalance"]
+
+
+def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_CASE, timeout_s: float = 300.0
+               ) -> tuple[Calibration, dict[str, Any]]:
+    """Fit ``stall_s`` on one real run of ``case``: ``stall_s = ranks * s``, the one ``s`` that makes the median
+    error of the simulated rebalances against the measured ones zero (bisection: the simulation is deterministic
+    and its rebalances grow with ``s``).  Proportional to the ranks, because the wait is for the last rank the
+    scheduler lets run, which grows with the ranks that share the cores; one coefficient, because two noisy rank
+    counts are no line to extrapolate along.  Returns the calibration with every row's stall_s, and what the fit
+    saw."""
+    from sim.run import run_scenario
+
+    from .run import run_real
+
+    name, strategy, ranks, to, layers, row_bytes = case
+    sc = comparison_scenario(name, ranks, to, layers, row_bytes)
+    real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
+    if real.verdict != "pass":
+        raise RuntimeError(f"the fitting run ({name} {ranks}->{to}) did not pass on the real backend: {real.verdict}"
+                           f" {real.detail or ''}".strip())
+    measured = _rebalances(real.spans)
+
+    def with_stall(per_rank: float) -> Calibration:
+        return calibration.model_copy(update={"loaded": [r.model_copy(update={"stall_s": r.ranks * per_rank})
+                                                         for r in calibration.loaded]})
+
+    def error(per_rank: float) -> float:
+        sim = run_scenario(as_real_runs(sc), strategy=strategy, profile="cuda" if device == "cuda" else "dram",
+                           calibration=with_stall(per_rank))
+        return statistics.median(a / b - 1 for a, b in zip(_rebalances(sim.spans), measured) if b > 0)
+
+    lo, hi = 0.0, 0.002
+    if not measured or error(lo) >= 0:
+        hi = 0.0
+    else:
+        while error(hi) < 0 and hi < 1.0:
+            lo, hi = hi, hi * 4
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if error(mid) < 0 else (lo, mid)
+    per_rank = (lo + hi) / 2
+    label = f"{name} {ranks}->{to}, {layers} layers, {row_bytes >> 10} KiB expert rows, {strategy}"
+    return with_stall(per_rank).model_copy(update={"fitted_on": label}), {
+        "case": label, "stall_per_rank_s": per_rank, "measured_rebalance_s": [round(v, 6) for v in measured]}
+
+
+def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0,
+            cases: tuple = COMPARISONS) -> dict[str, Any]:
+    """Every case of :func:`compare_one` and, first, the fitting run's own case (``fitted``: its rebalances decided
+    stall_s, so it says how well the fit took, not how well the model predicts); the median error of each kind of
+    span over the judged runs, and over the fitted one apart."""
+    runs = [{**compare_one(calibration, FIT_CASE, device, timeout_s), "fitted": True}]
+    runs += [{**compare_one(calibration, case, device, timeout_s), "fitted": False} for case in cases]
+
+    def summary(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {}
+        for kind in sorted({r["what"] for run in chosen for r in run["spans"]}):
+            errors = [r["error"] for run in chosen for r in run["spans"]
+                      if r["what"] == kind and r["error"] is not None]
+            if errors:
+                median = statistics.median(errors)
+                out[kind] = {"count": len(errors), "median_error": round(median, 3), "within_25%": abs(median) <= 0.25}
+        return out
+
+    return {"runs": runs, "complete": all(r["complete"] for r in runs), "fitted_on": calibration.fitted_on,
+            "summary": summary([r for r in runs if not r["fitted"]]),
+            "fitted_summary": summary([r for r in runs if r["fitted"]])}

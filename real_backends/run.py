@@ -66,19 +66,28 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
 
 
 def _spans(spans, history) -> list[list]:
-    """The run's spans; a rebalance lasts as long as its slowest rank's EPLB step took on that rank (load
-    all-reduce and the layers' moves, what the simulation's time model covers), not the parent's round trips and
-    the harness's weight checks around it."""
-    slowest: list[float] = []
-    for _, kind, fields in history.records:
+    """The run's spans as the simulation's time model covers them.  A rebalance (and an elastic event's reshuffle)
+    lasts as long as its slowest rank's EPLB step took on that rank (the load all-reduce and the layers' moves), not
+    the parent's round trips and the harness's weight checks around it; an elastic event lasts as long as its phases
+    together, as in the simulation, where they follow each other."""
+    moved: list[tuple[float, float]] = []  # (when the rebalance began, its slowest rank's seconds)
+    for t, kind, fields in history.records:
         if kind == "engine.rebalance":
-            slowest.append(0.0)
-        elif kind == "eplb.moved" and slowest:
-            slowest[-1] = max(slowest[-1], fields["seconds"])
-    out, i = [], 0
+            moved.append((t, 0.0))
+        elif kind == "eplb.moved" and moved:
+            moved[-1] = (moved[-1][0], max(moved[-1][1], fields["seconds"]))
+    out: list[list] = []
+    phases: dict[str, float] = {}  # event kind -> its phases' seconds so far
     for what, a, b in spans:
-        if what == "rebalance" and i < len(slowest):
-            b = a + slowest[i]
-            i += 1
+        if what == "rebalance" or what.endswith(".reshuffle"):
+            # The rebalance this span is of: the last one begun by its start.
+            began = [seconds for t, seconds in moved if t <= a + 1e-6]
+            if began:
+                b = a + began[-1]
+        if "." in what:
+            event = what.split(".", 1)[0]
+            phases[event] = phases.get(event, 0.0) + (b - a)
+        elif what in phases:
+            b = a + phases.pop(what)
         out.append([what, round(a, 6), round(b, 6)])
     return out

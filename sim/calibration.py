@@ -20,6 +20,46 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import ScenarioError, validation_line
 
 
+class HostLoad(BaseModel):
+    """The costs measured with ``ranks`` processes loaded as ranks on one host at once (real_backends/host_load.py):
+    on a host with fewer cores than busy threads each grows with the number of rank processes."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    ranks: int = Field(ge=1, description="rank processes on the host while these were measured")
+    xfer_latency_s: float = Field(ge=0, description="a READ's fixed cost, overlapped by the READs posted together")
+    post_s: float = Field(0.0, ge=0, description="a READ's own host cost, taking turns on its initiator's link")
+    bandwidth_Bps: float = Field(gt=0, description="bytes per second of one process's READs")
+    connect_s: float = Field(0.0, ge=0, description="the first READ towards a peer, on top")
+    collective_s: float = Field(0.0, ge=0, description="an all_reduce of a few bytes among the ranks")
+    first_agent_s: float = Field(0.0, ge=0, description="a process's first agent (UCX loads its transports)")
+    agent_s: float = Field(0.0, ge=0, description="each later agent of the process")
+    register_s: float = Field(0.0, ge=0, description="one register_memory call")
+    first_remote_setup_s: float = Field(0.0, ge=0, description="an agent's first add_remote_agent")
+    remote_setup_s: float = Field(0.0, ge=0, description="each later add_remote_agent of the agent")
+    collect_s: float = Field(0.0, ge=0, description="a full gc.collect() while every rank collects")
+    gather_s: float = Field(0.0, ge=0, description="an all_gather_object of an agent's metadata (pickling, two "
+                                                    "collectives): every object collective")
+    barrier_s: float | None = Field(None, ge=0, description="a round's barrier, last arrival to first result; "
+                                                            "informational")
+    cold_collective_s: float | None = Field(None, ge=0, description="an all_reduce after 20 ms idle; informational")
+    stall_s: float = Field(0.0, ge=0, description=(
+        "fitted, not measured alone: what each collective of a rebalance costs on top of collective_s when the "
+        "ranks' READs, copies and events share the host (the wait for a rank the scheduler set aside)"))
+    command_s: float = Field(0.0, ge=0, description="between the arrivals of a command sent to each rank in turn")
+    teardown_s: float = Field(0.0, ge=0, description="a rank process's end after its last collection at exit")
+    copy_latency_s: float = Field(0.0, ge=0, description="a row copy in host memory, fixed cost")
+    copy_Bps: float | None = Field(None, gt=0, description="bytes per second of a row copy in host memory")
+    rounds: list[list[float]] = Field(default_factory=list, description="(READs, bytes each, seconds) of the "
+                                                                        "layer-like rounds the transfer fit used")
+
+
+# The costs a HostLoad row gives the simulation, by name (interpolated between measured rank counts).
+LOAD_COSTS = ("xfer_latency_s", "post_s", "connect_s", "collective_s", "gather_s", "first_agent_s", "agent_s",
+              "register_s", "first_remote_setup_s", "remote_setup_s", "collect_s", "seconds_per_byte",
+              "copy_latency_s", "copy_seconds_per_byte", "command_s", "teardown_s", "stall_s")
+
+
 class Calibration(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite READ time would never finish
 
@@ -42,6 +82,44 @@ class Calibration(BaseModel):
     points: list[dict[str, float]] = Field(default_factory=list, description="(bytes, seconds) the fit used")
     quick: bool = Field(False, description="measured with `epsim calibrate --quick`: three sizes and a few repeats, "
                                            "a check that the path works rather than numbers to trust")
+    progress_delay_us: int = Field(0, ge=0, description="the rank processes' NIXL progress-thread poll timeout "
+                                                        "while measured (0: vLLM's busy loop)")
+    fitted_on: str = Field("", description="the real run each row's stall_s was fitted on (judge on others)")
+    loaded: list[HostLoad] = Field(default_factory=list, description=(
+        "the costs with 2, 3, ... rank processes on the host; when present the simulation charges each cost at the "
+        "number of rank processes alive at the time, and the fields above are not used"))
+
+    def costs(self, ranks: int) -> dict[str, float]:
+        """Every cost of :data:`LOAD_COSTS` with ``ranks`` rank processes alive: a measured row, linear between two
+        measured rank counts and along the last two beyond them (never below zero); the nearest row below the
+        first.  Bandwidth goes as seconds per byte, which grows with the processes sharing the cores."""
+        rows = sorted(self.loaded, key=lambda r: r.ranks)
+        if not rows:
+            return {"xfer_latency_s": self.xfer_latency_s, "post_s": 0.0, "connect_s": self.connect_s,
+                    "collective_s": self.collective_latency_s, "gather_s": self.collective_latency_s,
+                    "first_agent_s": 0.0, "agent_s": 0.0, "register_s": 0.0, "first_remote_setup_s": 0.0,
+                    "remote_setup_s": 0.0, "collect_s": self.collect_s, "seconds_per_byte": 1.0 / self.bandwidth_Bps,
+                    "copy_latency_s": 0.0, "copy_seconds_per_byte": 0.0, "command_s": 0.0, "teardown_s": 0.0,
+                    "stall_s": 0.0}
+
+        def value(row: HostLoad, key: str) -> float:
+            if key == "seconds_per_byte":
+                return 1.0 / row.bandwidth_Bps
+            if key == "copy_seconds_per_byte":
+                return 1.0 / row.copy_Bps if row.copy_Bps else 0.0
+            return float(getattr(row, key))
+
+        if len(rows) == 1 or ranks <= rows[0].ranks:
+            return {key: value(rows[0], key) for key in LOAD_COSTS}
+        lo, hi = rows[-2], rows[-1]
+        for a, b in zip(rows, rows[1:]):
+            if ranks <= b.ranks:
+                lo, hi = a, b
+                break
+        f = (ranks - lo.ranks) / (hi.ranks - lo.ranks)
+        out = {key: max(0.0, value(lo, key) + f * (value(hi, key) - value(lo, key))) for key in LOAD_COSTS}
+        out["seconds_per_byte"] = max(out["seconds_per_byte"], 1e-15)
+        return out
 
 
 def load(path: str | Path) -> Calibration:

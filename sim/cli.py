@@ -250,7 +250,8 @@ def calibrate(
             unwritten = f"--out {out}: could not write the calibration ({exc.strerror or exc}); it is printed above"
     report = {"calibration": calibration.model_dump()}
     if compare:
-        report["comparison"] = cal.compare(calibration, device)
+        report["comparison"] = cal.compare(calibration, device,
+                                           cases=cal.QUICK_COMPARISONS if quick else cal.COMPARISONS)
     if as_json:
         typer.echo(json.dumps(report))
     else:
@@ -264,7 +265,14 @@ def _print_calibration(calibration, cmp: Optional[dict], written: Optional[str])
     c = calibration
     typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
                f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
-               f"us; rank process start {c.process_start_s:.2f} s")
+               f"us; rank process start {c.process_start_s:.2f} s (two processes)")
+    for row in c.loaded:
+        typer.echo(f"{row.ranks} rank processes: READ {row.xfer_latency_s * 1e3:.2f} ms + {row.post_s * 1e3:.2f} ms "
+                   f"each + bytes / {row.bandwidth_Bps / 1e9:.2f} GB/s; all_reduce {row.collective_s * 1e3:.2f} ms "
+                   f"(+{row.stall_s * 1e3:.2f} ms in a rebalance, fitted); "
+                   f"gc.collect {row.collect_s * 1e3:.0f} ms; agent {row.first_agent_s * 1e3:.0f} ms (first), "
+                   f"{row.agent_s * 1e3:.0f} ms; add_remote_agent {row.first_remote_setup_s * 1e3:.1f} ms (first), "
+                   f"{row.remote_setup_s * 1e3:.1f} ms")
     if c.quick:
         typer.echo("measured with --quick: too few samples to trust these numbers")
     if c.concurrent_share is not None:
@@ -272,16 +280,25 @@ def _print_calibration(calibration, cmp: Optional[dict], written: Optional[str])
                    f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
     if written is not None:
         typer.echo(f"written to {written}; use it with `epsim run SCENARIO --calibration {written}`")
-    if cmp is not None:
-        typer.echo(f"{cmp['scenario']}: simulated vs measured (error = simulated / measured - 1); verdicts: "
-                   f"simulated {cmp['sim_verdict']}, real {cmp['real_verdict']}")
-        for r in cmp["spans"]:
+    if cmp is None:
+        return
+    for run in cmp["runs"]:
+        role = "fitted on" if run["fitted"] else "judged"
+        typer.echo(f"{run['scenario']} ({role}): simulated vs measured (error = simulated / measured - 1); "
+                   f"verdicts: simulated {run['sim_verdict']}, real {run['real_verdict']}")
+        for r in run["spans"]:
             error = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
-            typer.echo(f"  {r['what']:12} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {error}")
-        if not cmp["complete"]:
-            typer.echo(f"  INCOMPLETE: {len(cmp['spans'])} of {cmp['spans_simulated']} simulated and "
-                       f"{cmp['spans_measured']} measured spans compared"
-                       + (f"; the real run: {cmp['real_detail']}" if cmp["real_detail"] else ""))
+            typer.echo(f"  {r['what']:20} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {error}")
+        if not run["complete"]:
+            typer.echo(f"  INCOMPLETE: {len(run['spans'])} of {run['spans_simulated']} simulated and "
+                       f"{run['spans_measured']} measured spans compared"
+                       + (f"; the real run: {run['real_detail']}" if run["real_detail"] else ""))
+    typer.echo("median error of each kind over the judged runs (the fitted run's in brackets):")
+    for kind, row in cmp["summary"].items():
+        mark = "" if row["within_25%"] else "  (outside 25%)"
+        fitted = cmp["fitted_summary"].get(kind)
+        also = f"  [{fitted['median_error']:+.1%}]" if fitted else ""
+        typer.echo(f"  {kind:20} {row['median_error']:+.1%} over {row['count']}{also}{mark}")
 
 
 def _replaceable_calibration(out: str) -> None:

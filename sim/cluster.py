@@ -39,8 +39,8 @@ class NominalTimeModel(TimeModel):
     """Transfers take the time of the scenario's *nominal* expert size, not of the tiny rows the simulation moves."""
 
     def __init__(self, row_bytes: int, nominal_row_bytes: float, bandwidth_Bps: float = 40e9,
-                 latency_s: float = 10e-6, connect_s: float = 0.0) -> None:
-        super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, connect_s=connect_s)
+                 latency_s: float = 10e-6, connect_s: float = 0.0, **host_costs: float) -> None:
+        super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, connect_s=connect_s, **host_costs)
         object.__setattr__(self, "_scale", nominal_row_bytes / max(1, row_bytes))
 
     def wire_seconds(self, nbytes: int) -> float:
@@ -63,13 +63,16 @@ class Cluster(Engine):
         self.init_engine()
         m = scenario.model
         row_bytes = m.hidden * 4
-        self.calibration = calibration  # a sim.calibration.Calibration: measured READ and collective times
-        timing = {} if calibration is None else {"bandwidth_Bps": calibration.bandwidth_Bps,
-                                                 "latency_s": calibration.xfer_latency_s,
-                                                 "connect_s": calibration.connect_s}
-        time_model = NominalTimeModel(row_bytes, m.nominal_expert_bytes / m.tensors_per_layer, **timing)
-        self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami, time_model=time_model)
+        self.calibration = calibration  # a sim.calibration.Calibration: measured costs (see _retime)
+        self._row_bytes, self.nominal_row_bytes = row_bytes, m.nominal_expert_bytes / m.tensors_per_layer
+        self._costs: dict[str, float] = {}
+        self._costs_for = -1  # the number of live rank processes self._costs are for
+        self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami,
+                                 time_model=NominalTimeModel(row_bytes, self.nominal_row_bytes))
         self.fabric.poll_wait = self._poll_wait
+        if calibration is not None:
+            self.fabric.spend = self._spend
+            self._retime()
         self.fabric.thread_of = self.kernel.current
         self.oracles = Oracles(self)
         self.fabric.event_listeners.append(self._on_fabric)
@@ -85,6 +88,47 @@ class Cluster(Engine):
     def _whoami(self) -> int:
         th = self.kernel.current()
         return th.pid if th is not None else -1
+
+    def _retime(self) -> None:
+        """Charge every calibrated cost at the number of rank processes alive now: on a host with fewer cores than
+        busy threads each grows with them (sim/calibration.py).  Without a calibration nothing takes host time."""
+        if self.calibration is None:
+            return
+        live = sum(1 for w in self.workers.values() if w.alive)
+        if live == self._costs_for:
+            return
+        self._costs_for, c = live, self.calibration.costs(max(live, 1))
+        self._costs = c
+        self.fabric.time_model = NominalTimeModel(
+            self._row_bytes, self.nominal_row_bytes, bandwidth_Bps=1.0 / c["seconds_per_byte"],
+            latency_s=c["xfer_latency_s"], connect_s=c["connect_s"], post_s=c["post_s"],
+            first_agent_s=c["first_agent_s"], agent_s=c["agent_s"], register_s=c["register_s"],
+            first_remote_setup_s=c["first_remote_setup_s"], remote_setup_s=c["remote_setup_s"])
+
+    def cost(self, name: str) -> float:
+        """A calibrated cost (sim/calibration.py's LOAD_COSTS) at the live rank processes; 0 without a calibration."""
+        return self._costs.get(name, 0.0)
+
+    def _collective_cost(self, kind: str) -> float:
+        """A collective's cost: an object collective (all_gather_object, broadcast_object_list) pickles and makes
+        two collectives, and was measured as one; any other as a small all_reduce, and the wait for a rank set aside
+        by the scheduler that a loaded host adds (fitted: sim/calibration.py's stall_s)."""
+        if "_object" in kind:
+            return self.cost("gather_s")
+        return self.cost("collective_s") + self.cost("stall_s")
+
+    def host_copy_s(self, rows: int, row_bytes: float) -> float:
+        """Host time of ``rows`` expert row copies of ``row_bytes`` each where expert weights are in host memory (the
+        ``dram`` profile: the copies are memcpy on the rank's thread); none on a GPU, where they queue on a stream,
+        or without a calibration."""
+        if self.profile != "dram" or not rows:
+            return 0.0
+        return rows * (self.cost("copy_latency_s") + row_bytes * self.cost("copy_seconds_per_byte"))
+
+    def _spend(self, seconds: float, why: str) -> None:
+        """A fake call's own host time, on the simulated thread that made it (none on the engine's or outside)."""
+        if self.kernel.current() is not None:
+            self.kernel.sleep(seconds, why)
 
     def _poll_wait(self, due: float) -> None:
         wait = 1e-3 if math.isinf(due) else min(max(due - self.kernel.now(), 1e-6), 1e-2)
@@ -140,7 +184,8 @@ class Cluster(Engine):
 
     # -- groups and workers ---------------------------------------------------------------------------------------
     def new_group(self, members: list[int]) -> torch_dist.Rendezvous:
-        latency = self.calibration.collective_latency_s if self.calibration is not None else 0.0
+        # A collective's cost is the calibration's at the live rank processes when it completes.
+        latency = self._collective_cost if self.calibration is not None else 0.0
         rdv = torch_dist.Rendezvous(self.kernel, f"eplb#{self.generation}", members,
                                     self.scenario.collective_timeout_s, latency)
         self.generation += 1
@@ -152,6 +197,7 @@ class Cluster(Engine):
         factory = plugins.load(self.strategy)  # a fresh module: module state is per process
         w = Worker(self, pid, factory, placement, group, rank)
         self.workers[pid] = w
+        self._retime()
         w.start()
         return w
 
@@ -226,9 +272,15 @@ class Cluster(Engine):
         self.fabric.kill_process(pid)
         self.gc.process_gone(pid)
         torch_dist.process_gone(self.kernel, pid, why)  # its sockets closed: its groups' collectives fail at once
+        self._retime()
 
     def rocm(self) -> bool:
         return self.profile == "rocm-strict"  # the fake's ROCm profile (vLLM's code is told it runs on ROCm there)
+
+    def dispatch_gap(self) -> None:
+        gap = self.cost("command_s")
+        if gap > 0:
+            self.kernel.sleep(gap, "posting the command to the next rank")
 
     def before_rebalance(self) -> None:
         self._cache.clear()  # every earlier move has finished (drained): its plans are garbage

@@ -74,7 +74,12 @@ class Engine:
 
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
-        return self._join({p: self.workers[p].post(Command(kind, dict(args))) for p in pids}, f"{kind} on {pids}")
+        handles = {}
+        for i, p in enumerate(pids):
+            if i:
+                self.dispatch_gap()
+            handles[p] = self.workers[p].post(Command(kind, dict(args)))
+        return self._join(handles, f"{kind} on {pids}")
 
     # -- the timeline -------------------------------------------------------------------------------------------
     def engine(self) -> None:
@@ -383,6 +388,10 @@ class Engine:
     def rocm(self) -> bool:
         """Whether the ranks' platform is ROCm (vLLM's ``current_platform.is_rocm()``)."""
         return False
+
+    def dispatch_gap(self) -> None:
+        """Between posting one command to two ranks in turn: a real parent's sends take time of their own (they pass
+        by themselves); the simulation's take what a calibration measured."""
 
     def before_rebalance(self) -> None:
         """A rebalance starts: every earlier move has finished (drained)."""

@@ -81,9 +81,9 @@ class GcController:
             _gc.collect()
         # A calibration says how long a full collection holds a rank's thread; the simulated thread that asked waits
         # that long (the defaults, and the engine's own collections, take none).
-        calibration = self.cluster.calibration
-        if calibration is not None and calibration.collect_s > 0 and self.kernel.current() is not None:
-            self.kernel.sleep(calibration.collect_s, "gc.collect")
+        seconds = self.cluster.cost("collect_s")
+        if seconds > 0 and self.kernel.current() is not None:
+            self.kernel.sleep(seconds, "gc.collect")
 
     def process_gone(self, pid: int) -> None:
         """Process ``pid`` exited or was killed: what a GC fault still holds for it (a cycle awaiting a collection,

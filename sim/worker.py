@@ -52,6 +52,7 @@ class Worker:
         self.weights = [[torch.full((n, hidden), float("nan")) for _ in range(tensors)]
                         for _ in range(sc.model.layers)]
         self.buffer = [torch.full((n, hidden), float("nan")) for _ in range(tensors)]
+        self._tensors = tensors
         self.retired_buffers: list[list[torch.Tensor]] = []
         self.placement = placement
         if placement is not None:
@@ -301,6 +302,17 @@ class Worker:
         # Over either way; a thread that crashed (a crash verdict already) leaves nothing for the steps to wait on.
         self.rebalanced, self.pending = False, None
 
+    @staticmethod
+    def _row_copies(plan) -> int:
+        """Expert rows one layer's move copies per weight tensor: each local copy in and out of expert_buffer,
+        each received row out of it, each extra copy of a received row."""
+        return 2 * len(plan.local_copies) + len(plan.recvs) + len(plan.recv_copies)
+
+    def _copying(self, rows: int, why: str) -> None:
+        seconds = self.cluster.host_copy_s(rows, self.cluster.nominal_row_bytes)
+        if seconds > 0:
+            self.kernel.sleep(seconds, why)
+
     def _move(self, old: Placement, new: Placement, mapping, paced: bool) -> None:
         # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
         # (before commit), the new one for a scale-up (after commit), so the group rank is the move's rank.
@@ -316,13 +328,21 @@ class Worker:
                 self.cluster.recvs_planned += len(self.cluster.plan(old, new, layer, mapping)[rank].recvs)
             loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
                            comm, mapping, self.stream)
+            # Its row copies' host time (host memory, calibrated), after the layers: the loop is vLLM's, unmodified.
+            self._copying(sum(self._row_copies(self.cluster.plan(old, new, layer, mapping)[rank])
+                              for layer in range(old.num_layers)) * self._tensors, "vLLM's row copies")
         for layer in range(0 if at_once else old.num_layers):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
             self.cluster.recvs_planned += len(plan.recvs)
             if not paced:
-                move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                self.stream)
+                # move_layer, with the host time of its row copies where they are memcpy (host memory, calibrated):
+                # the local copies staged before the READs, the rest out of expert_buffer after the barrier.
+                self._copying(len(plan.local_copies) * self._tensors, "staging local copies")
+                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
+                                    self.stream)
+                move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
+                self._copying((self._row_copies(plan) - len(plan.local_copies)) * self._tensors, "move_from_buffer")
                 continue
             # vLLM's async EPLB worker: a coordinated stop first (every rank still rebalancing, or all stop: an
             # all_reduce on the EPLB group), then the layer's local copies on a stream of its own that waits for
@@ -491,5 +511,9 @@ class Worker:
         # The interpreter's last collections at exit, as a real process's (and the real backend's rank) run them:
         # a communicator a gc.cycle fault put in a cycle is finalized here, not lost with the process.
         self.cluster.gc.collect(f"exit@{self.pid}", self.pid)
+        # Then the process ends: the interpreter's teardown with torch and NIXL loaded (calibrated; none otherwise).
+        teardown = self.cluster.cost("teardown_s")
+        if teardown > 0:
+            self.kernel.sleep(teardown, "the process's teardown at exit")
         self.alive = False
         self.history("worker.exit")

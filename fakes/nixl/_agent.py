@@ -76,6 +76,7 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         self.fabric = fabric
         self.name = name
         self.pid = fabric.current_process()
+        fabric.agent_made(self.pid)
         self.uid = fabric.new_id()
         # Connection identity: what a peer compares when the same name is loaded again (row 1).
         self.conn = f"ucx://{self.pid}/{self.uid:x}/{name}"

@@ -36,6 +36,14 @@ class TimeModel:
     bandwidth_Bps: float = 40e9  # of the initiating process's link, which its concurrent requests share
     notif_latency_s: float = 5e-6
     connect_s: float = 0.0  # the first transfer towards a peer also waits for the endpoint's wire-up
+    post_s: float = 0.0  # a transfer's own host cost, taking its turn on the initiator's link with the bytes
+    # The host time a call holds its caller (0 by default: calls take no time).  The first agent of a process loads
+    # UCX's transports; an agent's first add_remote_agent wires up more than its later ones (both measured).
+    first_agent_s: float = 0.0
+    agent_s: float = 0.0
+    register_s: float = 0.0
+    first_remote_setup_s: float = 0.0
+    remote_setup_s: float = 0.0
 
     def wire_seconds(self, nbytes: int) -> float:
         """How long ``nbytes`` occupy the initiator's link."""
@@ -96,6 +104,10 @@ class FakeFabric:
         # completion is due (inf if never).  The kernel sleeps the polling thread until then, which is what a
         # polling loop costs in simulated time without one event per spin.
         self.poll_wait: Callable[[float], None] | None = None
+        # Inside the simulator: holds the calling simulated thread for a call's own host time (seconds, why), as
+        # the time model gives it; None outside, where calls take no time.
+        self.spend: Callable[[float, str], None] | None = None
+        self._agent_pids: set[int] = set()  # processes that have made an agent (the first pays UCX's start-up)
         # Inside the simulator: the simulated thread making the current call.  An agent of 1.5.1 runs in sync mode
         # NONE (no listener thread), so two threads using one agent at once race; the fake reports such use as an
         # "agent.threads" event and leaves the verdict to the caller.
@@ -125,7 +137,7 @@ class FakeFabric:
             model = self.time_model
             now = self.now()
             ready = now + model.xfer_latency_s + (0.0 if wired else model.connect_s)
-            done = max(ready, self._link_free.get(pid, ready)) + model.wire_seconds(nbytes)
+            done = max(ready, self._link_free.get(pid, ready)) + model.post_s + model.wire_seconds(nbytes)
             self._link_free[pid] = done
             return done - now
         if self.transport == "tcp":
@@ -135,6 +147,19 @@ class FakeFabric:
         # PROC for a first WRITE in every fresh process tried, 4 KiB and 1 MiB, where the reference's row 17 says
         # DONE: it measured WRITEs on endpoints a READ had connected).
         return 0.0 if wired else 1.0
+
+    def host_time(self, seconds: float, why: str) -> None:
+        """A call's own host time: the calling simulated thread is held that long (nothing outside the simulator,
+        or when the time model gives none)."""
+        if seconds > 0.0 and self.spend is not None:
+            self.spend(seconds, why)
+
+    def agent_made(self, pid: int) -> None:
+        """Process ``pid`` makes an agent: the first one costs what loading UCX costs, later ones less."""
+        first = pid not in self._agent_pids
+        self._agent_pids.add(pid)
+        model = self.time_model
+        self.host_time(model.first_agent_s if first else model.agent_s, "creating a NIXL agent")
 
     def notif_delay(self) -> float:
         return self.time_model.notif_latency_s if self.simulated else 0.0

@@ -162,6 +162,7 @@ class MemoryMixin:
         return self.fabric.new_id()
 
     def registerMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
+        self.fabric.host_time(self.fabric.time_model.register_s, "registering memory")
         self._enter()
         _check_dlist(descs, nixlRegDList, "registerMem")
         mem = descs.getType()

@@ -39,8 +39,13 @@ class PeersMixin:
         self.peers: dict[str, Peer] = {}
         self.inbox: list[tuple[str, bytes]] = []  # (sender name, message), in arrival order
         self.wired_to_self = False  # loopback endpoint connected
+        self.loaded_a_peer = False  # the first add_remote_agent costs more (time model)
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
+        model = self.fabric.time_model
+        self.fabric.host_time(model.remote_setup_s if self.loaded_a_peer else model.first_remote_setup_s,
+                              "loading a remote agent")
+        self.loaded_a_peer = True
         self._enter()
         name, conn, table = decode_md(metadata)
         if name == self.name:

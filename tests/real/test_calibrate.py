@@ -76,8 +76,7 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     real_nixl_or_skip()
     out = tmp_path / "cal.json"
     out.write_text(Calibration(xfer_latency_s=1.0, bandwidth_Bps=1.0).model_dump_json())  # an earlier one: replaced
-    # --quick: every measurement and the comparison, with fewer sizes and repeats (the full run took 70 s of the
-    # suite on a 2-core machine; it differs only in those numbers, calibrate.FULL)
+    # --quick: every measurement, the fit and a comparison, with fewer sizes, repeats and cases (calibrate.FULL)
     done = epsim("calibrate", "--quick", "--out", str(out), "--json", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -87,24 +86,31 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     assert cal.concurrent_share is not None and cal.concurrent_share > 0  # recorded, not judged (timing)
     assert len(cal.points) == 3 and cal.memory == "DRAM" and cal.quick and cal.xfer_latency_s < 1.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json"]  # written through a file beside it
+    # the loaded-host rows: every cost measured with 2 and 3 processes at once, the stall fitted on one real run
+    assert [r.ranks for r in cal.loaded] == [2, 3] and cal.fitted_on.startswith("scale-up 2->3")
+    for row in cal.loaded:
+        assert row.bandwidth_Bps > 1e7 and 0 < row.collective_s < 1 and 0 < row.collect_s < 10
+        assert row.first_agent_s > 0 and row.first_remote_setup_s > 0 and row.teardown_s > 0 and row.stall_s >= 0
+        assert len(row.rounds) == row.ranks * 3 * 2 * 2  # members x repeats x reads x row sizes
+    assert cal.loaded[1].stall_s >= cal.loaded[0].stall_s  # proportional to the ranks
     cmp = report["comparison"]
-    assert cmp["sim_verdict"] == cmp["real_verdict"] == "pass"
-    assert cmp["complete"] and cmp["spans_simulated"] == cmp["spans_measured"] == len(cmp["spans"])
-    kinds = [s["what"] for s in cmp["spans"]]
-    assert "scale_up" in kinds and kinds.count("rebalance") >= 3
-    # The breakdown of the scale-up, in both worlds: each phase measured; the simulation's COMMIT takes no time.
-    phases = ["scale_up.prepare", "scale_up.commit", "scale_up.reshuffle"]
-    assert [k for k in kinds if k.startswith("scale_up.")] == phases
-    assert all(s["measured_s"] > 0 for s in cmp["spans"])
-    assert all(s["simulated_s"] > 0 for s in cmp["spans"] if s["what"] != "scale_up.commit")
-    assert set(cmp["summary"]) == {"rebalance", "scale_up", *phases}
+    fitted, judged = cmp["runs"]
+    assert fitted["fitted"] and not judged["fitted"] and judged["scenario"].startswith("scale-up 2->4")
+    for run in cmp["runs"]:
+        assert run["sim_verdict"] == run["real_verdict"] == "pass"
+        assert {r["what"] for r in run["spans"]} == {"rebalance", "scale_up", "scale_up.prepare", "scale_up.commit",
+                                                     "scale_up.reshuffle"}
+    # the numbers are this host's (docs/validation.md records them); that they are there and judged is the test
+    assert set(cmp["summary"]) == {"rebalance", "scale_up", "scale_up.prepare", "scale_up.commit",
+                                   "scale_up.reshuffle"}
+    assert all(isinstance(row["within_25%"], bool) for row in cmp["summary"].values())
     # the file drives a simulated run
     done = epsim("run", "scale-up", "--calibration", str(out), "--json")
     assert done.returncode == 0, done.stderr
 
 
 def test_a_comparison_whose_real_run_failed_says_it_is_incomplete(monkeypatch):
-    """Found by review: a real run that failed cut the span table short without a word."""
+    """A real run that failed must not cut the span table short without a word."""
     import real_backends.calibrate as cal_mod
     import real_backends.run as run_mod
     import sim.run as sim_run
@@ -116,9 +122,31 @@ def test_a_comparison_whose_real_run_failed_says_it_is_incomplete(monkeypatch):
     spans = [["rebalance", 0.0, 1.0], ["scale_up", 1.0, 2.0], ["rebalance", 2.0, 3.0]]
     monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R("pass", spans))
     monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R("crash", spans[:1], "worker@1: boom"))
-    cmp = cal_mod.compare(cal_mod.Calibration.model_construct(), "cpu")
-    assert not cmp["complete"] and (cmp["spans_simulated"], cmp["spans_measured"], len(cmp["spans"])) == (3, 1, 1)
-    assert cmp["real_verdict"] == "crash" and cmp["real_detail"] == "worker@1: boom"
+    run = cal_mod.compare_one(cal_mod.Calibration.model_construct(), cal_mod.FIT_CASE, "cpu")
+    assert not run["complete"] and (run["spans_simulated"], run["spans_measured"], len(run["spans"])) == (3, 1, 1)
+    assert run["real_verdict"] == "crash" and run["real_detail"] == "worker@1: boom"
+
+
+def test_spans_pair_by_kind_and_count_when_one_world_rebalanced_once_more(monkeypatch):
+    """The worlds may serve a few steps more or less while a PREPARE builds: one more rebalance at the end of one
+    of them must not shift every later pair."""
+    import real_backends.calibrate as cal_mod
+    import real_backends.run as run_mod
+    import sim.run as sim_run
+
+    class _R:
+        def __init__(self, spans):
+            self.verdict, self.spans, self.detail = "pass", spans, None
+
+    sim = [["rebalance", 0, 1], ["scale_up.prepare", 1, 2], ["scale_up", 1, 2], ["rebalance", 2, 3]]
+    real = [["rebalance", 0, 2], ["scale_up.prepare", 2, 4], ["scale_up", 2, 4], ["rebalance", 4, 6],
+            ["rebalance", 6, 8]]
+    monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R(sim))
+    monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R(real))
+    run = cal_mod.compare_one(cal_mod.Calibration.model_construct(), cal_mod.FIT_CASE, "cpu")
+    assert [(r["what"], r["error"]) for r in run["spans"]] == [
+        ("rebalance", -0.5), ("scale_up.prepare", -0.5), ("scale_up", -0.5), ("rebalance", -0.5)]
+    assert not run["complete"]  # one real rebalance had no simulated partner
 
 
 def test_the_concurrent_reads_measurement_runs_on_the_real_nixl():
@@ -135,3 +163,20 @@ def test_the_concurrent_reads_measurement_runs_on_the_real_nixl():
     assert out["bytes_ok"] and out["memory"] == "DRAM" and list(out["sizes"]) == ["0.25MiB"]
     row = out["sizes"]["0.25MiB"]
     assert min(row["one_s"], row["together_s"], row["one_of_k_times_the_bytes_s"]) > 0
+
+
+def test_real_spans_leave_out_the_harness_checks_and_add_up_an_events_phases():
+    """A real rebalance and a reshuffle last as long as their slowest rank's move (not the parent's round trips and
+    weight checks after it); an elastic event as long as its phases, which follow each other as in the simulation."""
+    from types import SimpleNamespace
+
+    from real_backends.run import _spans
+
+    records = [(0.0, "engine.rebalance", {}), (0.01, "eplb.moved", {"seconds": 0.02}),
+               (0.02, "eplb.moved", {"seconds": 0.03}),
+               (1.0, "engine.scale_up", {}), (2.0, "engine.rebalance", {}), (2.05, "eplb.moved", {"seconds": 0.04})]
+    spans = [("rebalance", 0.0, 0.5), ("scale_up.prepare", 1.0, 1.6), ("scale_up.commit", 1.6, 2.0),
+             ("scale_up.reshuffle", 2.0, 2.3), ("scale_up", 1.0, 2.3)]
+    got = _spans(spans, SimpleNamespace(records=records))
+    assert got == [["rebalance", 0.0, 0.03], ["scale_up.prepare", 1.0, 1.6], ["scale_up.commit", 1.6, 2.0],
+                   ["scale_up.reshuffle", 2.0, 2.04], ["scale_up", 1.0, 2.04]]
