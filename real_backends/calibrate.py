@@ -152,11 +152,11 @@ KIB = 1 << 10
 FULL = {"sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
         "share_mib": 4, "share_repeats": 5, "collects": 7,
         "load": {"ranks": (2, 3, 4), "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB), "reads": (1, 2, 4),
-                 "repeats": 7, "collects": 3}}
+                 "repeats": 7, "collects": 3}, "fit_runs": 3}
 QUICK = {"sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
          "share_repeats": 3, "collects": 3,
          "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3,
-                  "collects": 1}}
+                  "collects": 1}, "fit_runs": 1}
 
 
 def _finite(seconds: float) -> float:
@@ -185,7 +185,7 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
                        nixl=reads["package"], host=platform.node(),
                        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        points=[{"bytes": b, "seconds": t} for b, t in points])
-    return fit_stalls(measured, device)[0]
+    return fit_stalls(measured, device, repeats=how["fit_runs"])[0]
 
 
 def measure_loaded(plan: dict[str, Any], device: str = "cpu") -> list[HostLoad]:
@@ -295,25 +295,27 @@ def _rebalances(spans) -> list[float]:
     return [b - a for what, a, b in spans if what == "rebalance"]
 
 
-def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_CASE, timeout_s: float = 300.0
-               ) -> tuple[Calibration, dict[str, Any]]:
-    """Fit ``stall_s`` on one real run of ``case``: ``stall_s = ranks * s``, the one ``s`` that makes the median
-    error of the simulated rebalances against the measured ones zero (bisection: the simulation is deterministic
-    and its rebalances grow with ``s``).  Proportional to the ranks, because the wait is for the last rank the
-    scheduler lets run, which grows with the ranks that share the cores; one coefficient, because two noisy rank
-    counts are no line to extrapolate along.  Returns the calibration with every row's stall_s, and what the fit
-    saw."""
+def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_CASE, timeout_s: float = 300.0,
+               repeats: int = 3) -> tuple[Calibration, dict[str, Any]]:
+    """Fit ``stall_s`` on ``repeats`` real runs of ``case``: ``stall_s = ranks * s``, the one ``s`` that makes the
+    median error of the simulated rebalances against the measured ones zero (bisection: the simulation is
+    deterministic and its rebalances grow with ``s``).  Proportional to the ranks, because the wait is for the last
+    rank the scheduler lets run, which grows with the ranks that share the cores; one coefficient, because two noisy
+    rank counts are no line to extrapolate along; several runs, because one run's rebalances on a small host vary
+    by a third from run to run.  Returns the calibration with every row's stall_s, and what the fit saw."""
     from sim.run import run_scenario
 
     from .run import run_real
 
     name, strategy, ranks, to, layers, row_bytes = case
     sc = comparison_scenario(name, ranks, to, layers, row_bytes)
-    real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
-    if real.verdict != "pass":
-        raise RuntimeError(f"the fitting run ({name} {ranks}->{to}) did not pass on the real backend: {real.verdict}"
-                           f" {real.detail or ''}".strip())
-    measured = _rebalances(real.spans)
+    runs = []
+    for _ in range(repeats):
+        real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
+        if real.verdict != "pass":
+            raise RuntimeError(f"a fitting run ({name} {ranks}->{to}) did not pass on the real backend: "
+                               f"{real.verdict} {real.detail or ''}".strip())
+        runs.append(_rebalances(real.spans))
 
     def with_stall(per_rank: float) -> Calibration:
         return calibration.model_copy(update={"loaded": [r.model_copy(update={"stall_s": r.ranks * per_rank})
@@ -322,10 +324,11 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
     def error(per_rank: float) -> float:
         sim = run_scenario(as_real_runs(sc), strategy=strategy, profile="cuda" if device == "cuda" else "dram",
                            calibration=with_stall(per_rank))
-        return statistics.median(a / b - 1 for a, b in zip(_rebalances(sim.spans), measured) if b > 0)
+        simulated = _rebalances(sim.spans)
+        return statistics.median(a / b - 1 for measured in runs for a, b in zip(simulated, measured) if b > 0)
 
     lo, hi = 0.0, 0.002
-    if not measured or error(lo) >= 0:
+    if not any(runs) or error(lo) >= 0:
         hi = 0.0
     else:
         while error(hi) < 0 and hi < 1.0:
@@ -336,7 +339,8 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
     per_rank = (lo + hi) / 2
     label = f"{name} {ranks}->{to}, {layers} layers, {row_bytes >> 10} KiB expert rows, {strategy}"
     return with_stall(per_rank).model_copy(update={"fitted_on": label}), {
-        "case": label, "stall_per_rank_s": per_rank, "measured_rebalance_s": [round(v, 6) for v in measured]}
+        "case": label, "stall_per_rank_s": per_rank,
+        "measured_rebalance_s": [[round(v, 6) for v in measured] for measured in runs]}
 
 
 def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0,
