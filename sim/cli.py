@@ -150,12 +150,18 @@ def validate(
     timeout: float = typer.Option(120.0, min=0.001, max=MAX_TIMEOUT_S,
                                   help="seconds a rank may take to answer one command"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    calibration: Optional[str] = typer.Option(None, help="what the cases whose verdict turns on timing simulate with "
+                                                         "(default: calibrations/cpu-2core-1ms-poll.json)"),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
     from real_backends.nixl_real import require_real
     from real_backends.validate import run_validation
 
+    from .calibration import load as load_calibration
+
     require_real(device)
+    if calibration is not None:
+        load_calibration(calibration)  # a bad file is one line now, not after the catalogue
 
     def progress(name: str, row) -> None:
         # Each case's outcome as soon as it is known: an interrupted validation keeps what it found on stderr.
@@ -172,7 +178,7 @@ def validate(
                        f"{'/' + real['invariant'] if real['invariant'] else ''}"
                        + ("" if row["agree"] else f" ({'; '.join(row['differences'])})"), err=True)
 
-    report = run_validation(device, quick, timeout, catalogue, on_case=progress)
+    report = run_validation(device, quick, timeout, catalogue, on_case=progress, calibration=calibration)
     if as_json:
         typer.echo(json.dumps(report))
     else:

@@ -26,6 +26,29 @@ def test_quick_validation_agrees_with_the_simulation_on_every_case():
     assert sum(line.startswith("    agrees: simulated ") for line in lines) == len(quick)
     assert "    agrees: simulated liveness/stuck, real liveness/stuck" in lines
     assert all(c["real"]["profile"] == "real-cpu" and c["sim"]["profile"] == "dram" for c in report["cases"])
+    # gc.late on either side of the departing rank's exit: the verdict turns on how long the exit takes
+    timed = {c["case"]: (c["sim"]["verdict"], c["real"]["verdict"])
+             for c in report["cases"] if "calibrated" in c["case"]}
+    assert timed == {"scale-down 3->2 · per-communicator-agent · gc.late:delay_s=0.05 · calibrated": ("pass", "pass"),
+                     "scale-down 3->2 · per-communicator-agent · gc.late:delay_s=5 · calibrated": ("safety", "safety")}
+
+
+def test_only_a_calibrated_clock_puts_a_late_collection_before_a_ranks_exit():
+    """The simulation's default clock gives an exit no duration, so a collection 50 ms late still finds the
+    reconfiguration complete; with the calibration's collection and teardown it comes first, as on real ranks."""
+    from real_backends.validate import REFERENCE_CALIBRATION
+    from sim.calibration import load
+    from sim.run import run_scenario
+
+    [early, late] = [c for c in CASES if c.timed]
+    cal = load(REFERENCE_CALIBRATION)
+
+    def verdict(case, calibration):
+        return run_scenario(case.load(), strategy=case.strategy, faults=list(case.faults),
+                            calibration=calibration).verdict
+
+    assert (verdict(early, None), verdict(early, cal)) == ("safety", "pass")
+    assert (verdict(late, None), verdict(late, cal)) == ("safety", "safety")
 
 
 def _result(verdict="pass", invariant=None, signature=None, **metrics) -> Result:
@@ -68,7 +91,8 @@ def test_cases_for_one_device_run_only_there(monkeypatch):
     assert all(c.load("cuda").serving.host_ahead_steps == 0.0 for c in CASES if c.in_step)
     assert all(c.load("cpu").serving.async_scheduling for c in CASES)  # (no stream to be ahead of on host memory)
     ran = []
-    monkeypatch.setattr(validate, "run_case", lambda case, device, timeout_s: ran.append(case) or {"agree": True})
+    monkeypatch.setattr(validate, "run_case",
+                        lambda case, device, timeout_s, calibration=None: ran.append(case) or {"agree": True})
     validate.run_validation("cpu", catalogue=False)
     assert ran and not [c for c in ran if c.device is not None]
     ran.clear()
