@@ -85,8 +85,9 @@ def _spans(spans, history) -> list[list]:
             if began:
                 b = a + began[-1]
         if "." in what:
-            event = what.split(".", 1)[0]
-            phases[event] = phases.get(event, 0.0) + (b - a)
+            event, phase = what.split(".", 1)
+            # (an event's first phase starts its sum afresh: an event that failed left its phases unsummed)
+            phases[event] = (0.0 if phase == "prepare" else phases.get(event, 0.0)) + (b - a)
         elif what in phases:
             b = a + phases.pop(what)
         out.append([what, round(a, 6), round(b, 6)])

@@ -334,8 +334,9 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
                stream=None) -> None:
     """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
     local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
-    ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The simulated and the
-    real workers both move through here, so the code under test sees the same call sequence in every world.
+    ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The real worker moves
+    through here and the simulated one through its two halves (with a calibrated copy time between them), so the
+    code under test sees the same call sequence in every world.
     ``stream`` (``submit(op, what)``: a :class:`sim.device.DeviceStream`, or the real backend's lagging CUDA stream)
     runs the two row copies, as vLLM's non_blocking copies run on the current CUDA stream; without one they run at
     once."""
