@@ -8,7 +8,8 @@ with an agent, epsim's modules; each rank's progress-thread setting) for each ``
 once, as ranks do it, through the registration ledger a real rank's agents have (each call it records is an event
 sent to the parent, which the real backend's own times include):
 
-- an agent's creation (the first in a process loads UCX's transports) and a memory registration;
+- an agent's creation (the first in a process loads UCX's transports), a memory registration, and a group's
+  opening with every member there;
 - the remote setup: the metadata ``all_gather_object``, then ``add_remote_agent`` of each peer (the first peer a
   process loads costs more than the later ones);
 - rounds as a layer of a rebalance is: every member READs ``k`` experts of ``b`` bytes from its neighbour (each a
@@ -104,9 +105,15 @@ def _measure_member(rank: int, n: int, port: int, plan: dict[str, Any], emit) ->
     registered = [agent.register_memory(t) for t in weights + buffers]
     out["register_s"] = (time.perf_counter() - started) / len(registered)
 
-    group = open_group(connect_store("127.0.0.1", port, 120), GroupSpec("host-load", rank, n), 120)
+    store = connect_store("127.0.0.1", port, 120)
+    group = open_group(store, GroupSpec("host-load", rank, n), 120)
     barrier = torch.zeros(1)
     dist.all_reduce(barrier, group=group)
+    # A group opened with every member there, as a reconfiguration's new one (gloo connects a full mesh).
+    started = time.perf_counter()
+    spare_group = open_group(store, GroupSpec("host-load-again", rank, n), 120)
+    out["group_s"] = time.perf_counter() - started
+    del spare_group
 
     # Remote setup, as a communicator does it on its first use.
     metadata: list[Any] = [None] * n
@@ -273,7 +280,7 @@ def measure(n: int, plan: dict[str, Any], timeout_s: float = 300.0) -> dict[str,
                 proc.kill()
     combined: dict[str, Any] = {"ranks": n}
     for key in ("first_agent_s", "agent_s", "register_s", "gather_s", "first_remote_setup_s", "remote_setup_s",
-                "connect_s", "collective_s", "collect_s"):
+                "connect_s", "collective_s", "collect_s", "group_s"):
         values = [r[key] for r in results if r[key] is not None]
         combined[key] = statistics.median(values) if values else None
     combined["barrier_s"] = _last_arrival_to_result([r["barriers"] for r in results])

@@ -35,6 +35,7 @@ class HostLoad(BaseModel):
     first_agent_s: float = Field(0.0, ge=0, description="a process's first agent (UCX loads its transports)")
     agent_s: float = Field(0.0, ge=0, description="each later agent of the process")
     register_s: float = Field(0.0, ge=0, description="one register_memory call")
+    group_s: float = Field(0.0, ge=0, description="opening a new group's connections, every member there")
     first_remote_setup_s: float = Field(0.0, ge=0, description="an agent's first add_remote_agent")
     remote_setup_s: float = Field(0.0, ge=0, description="each later add_remote_agent of the agent")
     collect_s: float = Field(0.0, ge=0, description="a full gc.collect() while every rank collects")
@@ -57,7 +58,7 @@ class HostLoad(BaseModel):
 # The costs a HostLoad row gives the simulation, by name (interpolated between measured rank counts).
 LOAD_COSTS = ("xfer_latency_s", "post_s", "connect_s", "collective_s", "gather_s", "first_agent_s", "agent_s",
               "register_s", "first_remote_setup_s", "remote_setup_s", "collect_s", "seconds_per_byte",
-              "copy_latency_s", "copy_seconds_per_byte", "command_s", "teardown_s", "stall_s")
+              "copy_latency_s", "copy_seconds_per_byte", "command_s", "teardown_s", "stall_s", "group_s")
 
 
 class Calibration(BaseModel):
@@ -100,7 +101,7 @@ class Calibration(BaseModel):
                     "first_agent_s": 0.0, "agent_s": 0.0, "register_s": 0.0, "first_remote_setup_s": 0.0,
                     "remote_setup_s": 0.0, "collect_s": self.collect_s, "seconds_per_byte": 1.0 / self.bandwidth_Bps,
                     "copy_latency_s": 0.0, "copy_seconds_per_byte": 0.0, "command_s": 0.0, "teardown_s": 0.0,
-                    "stall_s": 0.0}
+                    "stall_s": 0.0, "group_s": 0.0}
 
         def value(row: HostLoad, key: str) -> float:
             if key == "seconds_per_byte":

@@ -132,7 +132,15 @@ class Worker:
         self.kernel.spawn(f"elastic-prepare@{self.pid}", self._build_first, done, pid=self.pid, daemon=True)
         return done
 
+    def _opening_group(self) -> None:
+        """A new group's connections (gloo connects a full mesh) before a communicator is built on it: a
+        calibrated cost, none otherwise."""
+        seconds = self.cluster.cost("group_s")
+        if seconds > 0:
+            self.kernel.sleep(seconds, "opening the group")
+
     def _build_first(self, done: Any = None) -> None:
+        self._opening_group()
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group.group_name, prev=False)
         self.a2a = self._manager(self.group)
@@ -411,6 +419,7 @@ class Worker:
         if th is not None and th.alive:
             self.kernel.wait(th.done, "waiting for the previous group cleanup")
         self.kernel.sleep(prepare_s, "building standby groups")
+        self._opening_group()
         if storage_move:
             # New storage; the old tensors stay referenced (by the old communicator's registrations in reality,
             # here by the worker) so nothing reads freed memory.

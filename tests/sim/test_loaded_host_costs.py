@@ -18,7 +18,7 @@ from sim.run import run_scenario
 
 ZERO = dict.fromkeys(("connect_s", "collective_s", "first_agent_s", "agent_s", "register_s", "first_remote_setup_s",
                       "remote_setup_s", "collect_s", "gather_s", "command_s", "teardown_s", "stall_s",
-                      "copy_latency_s", "post_s"), 0.0)
+                      "copy_latency_s", "post_s", "group_s"), 0.0)
 
 
 def row(ranks: int, **costs: float) -> HostLoad:
@@ -95,11 +95,11 @@ def test_a_reads_own_cost_takes_its_turn_on_the_initiators_link():
 def test_each_calibrated_cost_shows_up_in_its_phase():
     sc = as_real_runs(comparison_scenario("scale-up", 2, 3, 2, 1 << 16))
     plain = run_scenario(sc, calibration=calibration(row(1)))
-    costly = calibration(row(1, first_agent_s=0.5, collect_s=0.1, first_remote_setup_s=0.05))
+    costly = calibration(row(1, first_agent_s=0.5, group_s=0.1, collect_s=0.1, first_remote_setup_s=0.05))
     slow = run_scenario(sc, calibration=costly)
     assert slow.verdict == plain.verdict == "pass"
-    # the joining rank's first agent decides PREPARE; COMMIT collects twice (vLLM 0.33.0)
-    assert spans(slow, "scale_up.prepare")[0] >= 0.5 > spans(plain, "scale_up.prepare")[0]
+    # the joining rank's group and first agent decide PREPARE; COMMIT collects twice (vLLM 0.33.0)
+    assert spans(slow, "scale_up.prepare")[0] == pytest.approx(0.6) > spans(plain, "scale_up.prepare")[0]
     assert spans(slow, "scale_up.commit")[0] == pytest.approx(0.2)
     # a new communicator's first rebalance loads its peers (the joining rank's agent its first)
     assert spans(slow, "scale_up.reshuffle")[0] - spans(plain, "scale_up.reshuffle")[0] >= 0.05
