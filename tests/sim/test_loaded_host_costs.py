@@ -99,7 +99,7 @@ def test_each_calibrated_cost_shows_up_in_its_phase():
     slow = run_scenario(sc, calibration=costly)
     assert slow.verdict == plain.verdict == "pass"
     # the joining rank's group and first agent decide PREPARE; COMMIT collects twice (vLLM 0.33.0)
-    assert spans(slow, "scale_up.prepare")[0] == pytest.approx(0.6) > spans(plain, "scale_up.prepare")[0]
+    assert spans(slow, "scale_up.prepare")[0] == pytest.approx(0.6) and spans(plain, "scale_up.prepare")[0] < 0.1
     assert spans(slow, "scale_up.commit")[0] == pytest.approx(0.2)
     # a new communicator's first rebalance loads its peers (the joining rank's agent its first)
     assert spans(slow, "scale_up.reshuffle")[0] - spans(plain, "scale_up.reshuffle")[0] >= 0.05
