@@ -219,12 +219,13 @@ def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, re
 # is the fitting run (each rank count's stall_s is fitted on its rebalances); the others are judged on sizes and row
 # sizes no fit saw, 4 ranks among them (its stall_s extrapolated).  per-communicator-agent on the scale-down: it is
 # the strategy that passes there (the others keep a departed rank's agent as a peer), and it makes an agent per
-# communicator.
+# communicator.  The abort (vLLM PR #53947's lifecycle, the scenario's own) is followed by a scale-up to 4.
 FIT_CASE = ("scale-up", "shared-agent", 2, 3, 4, 1 << 20)
 COMPARISONS = (("scale-up", "shared-agent", 2, 4, 2, 256 * KIB),
                ("scale-up", "shared-agent", 3, 4, 8, 1 << 20),
                ("scale-down", "per-communicator-agent", 3, 2, 4, 1 << 20),
-               ("scale-up", "per-communicator-agent", 2, 3, 1, 4 << 20))
+               ("scale-up", "per-communicator-agent", 2, 3, 1, 4 << 20),
+               ("abort", "shared-agent", 2, 4, 2, 1 << 20))
 QUICK_COMPARISONS = COMPARISONS[:1]
 
 
