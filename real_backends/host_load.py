@@ -255,15 +255,16 @@ def measure(n: int, plan: dict[str, Any], timeout_s: float = 300.0) -> dict[str,
     results: list[Any] = []
     try:
         deadline = time.monotonic() + timeout_s
-        for rank, (proc, mine) in enumerate(members):
+        for proc, mine in members:
             try:
                 got = mine.recv() if mine.poll(max(1.0, deadline - time.monotonic())) else "no answer in time"
             except EOFError:
                 proc.join(5)
                 got = f"ended without an answer (exit code {proc.exitcode})"
-            if isinstance(got, str):
-                raise RuntimeError(f"host load with {n} processes: member {rank}: {got}")
             results.append(got)
+        failed = [f"member {rank}: {got}" for rank, got in enumerate(results) if isinstance(got, str)]
+        if failed:  # every member's, since the first to fail takes the others' collectives down with it
+            raise RuntimeError(f"host load with {n} processes: " + "; ".join(failed))
         command = _command_gap([mine for _, mine in members], plan.get("pings", 5))
         exits = []
         for proc, mine in members:  # one at a time, as a scale-down's departing rank exits while others serve
