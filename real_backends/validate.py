@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sim import scenario as scenario_mod
+from sim.calibration import BUNDLED
 from sim.run import Result, run_scenario
 
 from .run import run_real
@@ -166,7 +167,7 @@ def conformance(device: str) -> dict[str, Any]:
             "cases": cases, "notes": report["notes"], "agree": all(c["outcome"] != "fail" for c in cases)}
 
 
-REFERENCE_CALIBRATION = Path(__file__).resolve().parent.parent / "calibrations" / "cpu-2core-1ms-poll.json"
+REFERENCE_CALIBRATION = BUNDLED / "cpu-2core-1ms-poll.json"
 
 
 def run_validation(device: str = "cpu", quick: bool = False, timeout_s: float = 120.0, catalogue: bool = True,

@@ -123,18 +123,31 @@ class Calibration(BaseModel):
         return out
 
 
+# Calibrations measured on named hosts, shipped with epsim: `--calibration NAME` takes sim/calibrations/NAME.json.
+BUNDLED = Path(__file__).resolve().parent / "calibrations"
+
+
+def bundled() -> list[str]:
+    """The names of the calibrations shipped in :data:`BUNDLED`."""
+    return sorted(p.stem for p in BUNDLED.glob("*.json"))
+
+
 def load(path: str | Path) -> Calibration:
-    """The calibration in ``path``; one line naming the file and the problem otherwise."""
+    """The calibration in ``path`` (or the shipped one of that name); one line naming the file and the problem
+    otherwise."""
     if not str(path).strip():
         raise ScenarioError("--calibration: an empty path; give the JSON file `epsim calibrate --out` wrote")
     p = Path(path)
+    if not p.exists() and "/" not in str(path) and (BUNDLED / f"{path}.json").is_file():
+        p = BUNDLED / f"{path}.json"
     if p.exists() and not p.is_dir() and not p.is_file():
         # A device or a pipe would be read until memory runs out, or for ever.
         raise ScenarioError(f"calibration {p}: not a regular file; give the JSON file `epsim calibrate --out` wrote")
     try:
         data: Any = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ScenarioError(f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`)") from None
+        raise ScenarioError(f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`, or name a "
+                            f"shipped one: {', '.join(bundled()) or 'none'})") from None
     except IsADirectoryError:
         raise ScenarioError(f"calibration {p}: that is a directory; give the JSON file `epsim calibrate --out` "
                             f"wrote") from None

@@ -96,8 +96,8 @@ def run(
     timeout: Optional[float] = typer.Option(None, min=0.001, max=MAX_TIMEOUT_S,
                                             help="real backend: seconds a rank may take to answer one command "
                                                  "(default 120; a new rank's start-up has 120 s more)"),
-    calibration: Optional[str] = typer.Option(None, help="simulation: READ and collective times from "
-                                                         "`epsim calibrate --out FILE`"),
+    calibration: Optional[str] = typer.Option(None, help="simulation: a host's costs, from `epsim calibrate --out "
+                                                         "FILE` or shipped (cpu-2core-1ms-poll)"),
     ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
                                                  help="real backend: most rank processes one host runs at once"),
 ) -> None:
@@ -151,7 +151,7 @@ def validate(
                                   help="seconds a rank may take to answer one command"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     calibration: Optional[str] = typer.Option(None, help="what the cases whose verdict turns on timing simulate with "
-                                                         "(default: calibrations/cpu-2core-1ms-poll.json)"),
+                                                         "(default: the shipped cpu-2core-1ms-poll)"),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
     from real_backends.nixl_real import require_real

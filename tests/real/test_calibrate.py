@@ -180,3 +180,17 @@ def test_real_spans_leave_out_the_harness_checks_and_add_up_an_events_phases():
     got = _spans(spans, SimpleNamespace(records=records))
     assert got == [["rebalance", 0.0, 0.03], ["scale_up.prepare", 1.0, 1.6], ["scale_up.commit", 1.6, 2.0],
                    ["scale_up.reshuffle", 2.0, 2.04], ["scale_up", 1.0, 2.04]]
+
+
+def test_a_shipped_calibration_is_taken_by_name_and_a_wrong_name_lists_them(tmp_path, monkeypatch):
+    from sim.calibration import bundled
+
+    assert "cpu-2core-1ms-poll" in bundled()
+    cal = load("cpu-2core-1ms-poll")
+    assert [r.ranks for r in cal.loaded] == [2, 3, 4] and cal.fitted_on and not cal.quick
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cpu-2core-1ms-poll").write_text("{")  # a file of that name here is the file asked for
+    with pytest.raises(ScenarioError, match="not a JSON file"):
+        load("cpu-2core-1ms-poll")
+    with pytest.raises(ScenarioError, match="name a shipped one: cpu-2core-1ms-poll"):
+        load("no-such-host")
