@@ -341,10 +341,16 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
     if as_json:
         typer.echo(json.dumps(rows))
     else:
+        import shutil
+        import textwrap
+
+        width = shutil.get_terminal_size((120, 24)).columns
         for r in rows:
             sizes = "->".join(str(x) for x in r["ranks"])
-            typer.echo(f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
-                       f"{r['steps']:6} steps  {r['description'][:70]}")
+            head = (f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
+                    f"{r['steps']:6} steps  ")
+            # Cut at a word, and say so: the whole text is in `epsim scenarios --json` and the scenario's file.
+            typer.echo(head + textwrap.shorten(r["description"], max(20, width - len(head)), placeholder=" ..."))
     for line in broken:
         print(f"epsim: error: {line}", file=sys.stderr)
     if broken:

@@ -403,3 +403,24 @@ def test_the_readable_summary_of_a_real_run_names_a_progress_delay_only_when_one
     assert real([1000]).splitlines()[-1] == ("NIXL progress threads: poll timeout 1000 us "
                                              "(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
     assert "poll timeout 0, 1000 us" in real([0, 1000])  # torchrun slots on hosts set up differently
+
+
+def test_scenarios_cuts_a_description_at_a_word_to_the_terminal_and_says_so() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLUMNS="110")
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "scenarios"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    assert lines and all(len(line) <= 110 for line in lines)
+    cut = [line for line in lines if line.endswith(" ...")]
+    assert cut, lines  # the built-in descriptions are longer than what is left of 110 columns
+    for line in cut:  # whole words only: what comes before the mark is a prefix of the description at a space
+        name, text = line.split()[0], line.split("steps  ", 1)[1][:-len(" ...")]
+        full = {r["name"]: r["description"] for r in json.loads(subprocess.run(
+            [sys.executable, "-m", "sim.cli", "scenarios", "--json"], capture_output=True, text=True,
+            timeout=60).stdout)}[name]
+        assert full.startswith(text) and full[len(text)] == " "
