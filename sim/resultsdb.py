@@ -52,7 +52,19 @@ class NotOurs(DatabaseError):
     """A SQLite file without epsim's tables: someone else's, to be left as it is."""
 
 
+def _in_wal_mode(path: Path) -> bool:
+    """Whether the SQLite file's header says WAL (its read and write format versions, bytes 18 and 19, are 2)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    return len(header) == 20 and header[18:20] == b"\x02\x02"
+
+
 class ResultsDB:
+    _writer = False  # this connection made or extends the database (a sweep), as opposed to a report's
+
     def __init__(self, path: str | Path, create: bool = True) -> None:
         """``create``: make the file and its tables if missing (a sweep); else open an existing epsim results
         database read-only and refuse anything else (a report must not turn someone's file into a database)."""
@@ -76,6 +88,7 @@ class ResultsDB:
                                                 f"new file, or one that epsim sweep wrote") from None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(str(self.path), timeout=30.0)
+                self._writer = True
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a kill
                 self._create()
@@ -91,10 +104,15 @@ class ResultsDB:
             raise DatabaseError(f"{self.path}: cannot open it ({exc.strerror or exc})") from None
 
     def _read_only(self) -> sqlite3.Connection:
-        """A read-only connection.  A database in WAL mode needs its -shm file even to be read; in a folder this
-        process cannot write (a read-only mount, an archive) it is opened as immutable instead, which is right
-        as long as no sweep writes it meanwhile."""
+        """A read-only connection.  A database in WAL mode needs its -shm file even to be read, and a read-only
+        connection that made it cannot remove it: so one with no -wal beside it (no sweep has it open: a sweep
+        that ends leaves rollback-journal mode) is opened as immutable, which creates nothing; so is one in a folder
+        this process cannot write (a read-only mount, an archive).  Immutable is right as long as no sweep writes
+        it meanwhile."""
         uri = self.path.resolve().as_uri()
+        wal = self.path.with_name(self.path.name + "-wal")
+        if _in_wal_mode(self.path) and not wal.exists():
+            return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=30.0)
         db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=30.0)
         try:
             db.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
@@ -141,6 +159,14 @@ class ResultsDB:
                              "planned INTEGER NOT NULL, started_at REAL NOT NULL)")
 
     def close(self) -> None:
+        if self._writer:
+            # WAL only while a sweep writes: back in rollback-journal mode a finished database is one file, and a
+            # report reading it creates no -wal and -shm beside it.  Another connection still open keeps WAL (the
+            # switch needs the database to itself); its own close tries again.
+            try:
+                self._db.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.Error:
+                pass
         self._db.close()
 
     def __enter__(self) -> ResultsDB:

@@ -328,3 +328,21 @@ def test_a_read_only_database_is_one_line_for_a_sweep_and_readable_for_a_report(
         folder.chmod(0o755)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["runs"] == 2
+
+
+def test_a_report_leaves_nothing_beside_the_database_it_read(tmp_path: Path) -> None:
+    """A finished sweep's database is one file (the sweep leaves WAL mode at its end), and a report that reads it
+    makes no -wal or -shm beside it; nor on a database still in WAL mode with no sweep writing it (an older
+    epsim's, or one whose sweep was killed)."""
+    db = tmp_path / "r.db"
+    assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
+    assert not list(tmp_path.glob("r.db-*[lm]"))  # no -wal, no -shm
+    done = epsim("report", str(db), "--no-plots", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 2
+    assert not list(tmp_path.glob("r.db-*[lm]"))
+    with sqlite3.connect(db) as con:  # as an older epsim left it
+        con.execute("PRAGMA journal_mode=WAL")
+    assert not (tmp_path / "r.db-wal").exists() and resultsdb._in_wal_mode(db)
+    done = epsim("report", str(db), "--no-plots", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 2
+    assert not list(tmp_path.glob("r.db-*[lm]"))
