@@ -99,8 +99,10 @@ def render(summary: Summary, console) -> None:
         t.add_column("replay", overflow="fold")
         for sig, n in summary.signatures.most_common():
             bundle = summary.signature_bundle.get(sig)
-            t.add_row(str(n), sig, ", ".join(map(str, summary.signature_seeds[sig])),
-                      f"epsim replay {bundle}" if bundle else "-")
+            seeds = ", ".join(map(str, summary.signature_seeds[sig]))
+            if n > len(summary.signature_seeds[sig]):  # the first few, and say so
+                seeds += f", ... ({n} runs)"
+            t.add_row(str(n), sig, seeds, f"epsim replay {bundle}" if bundle else "-")
         console.print(t)
     else:
         console.print("no failures")
@@ -131,18 +133,28 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
 
+    # Two bars a site: of the runs that armed it, those that failed (for any reason: a site armed alongside the
+    # one that broke the run fails with it) and those whose failure it fired before; a site that never fired can
+    # have the first and not the second, and its label says it never fired.
     sites = sorted(summary.armed)
     rates = [summary.failure_rate(s) for s in sites]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(sites) + 2), 4))
-    ax.bar(sites, rates, color="#c0392b")
-    ax.set_ylabel("failure rate of runs that armed the site")
+    implicated = [summary.implicated[s] / summary.armed[s] for s in sites]
+    labels = [s if summary.fired[s] else f"{s}\n(never fired)" for s in sites]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sites) + 2), 4))
+    x = range(len(sites))
+    ax.bar([i - 0.2 for i in x], rates, width=0.4, color="#e8a09a", label="failed, when armed")
+    ax.bar([i + 0.2 for i in x], implicated, width=0.4, color="#c0392b", label="failed after it fired")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("share of the runs that armed the site")
     ax.set_ylim(0, 1)
-    ax.set_title(f"failure rate per fault site ({summary.runs} runs)")
+    ax.set_title(f"failures per fault site ({summary.runs} runs)")
     ax.tick_params(axis="x", labelrotation=45)
+    ax.legend()
     fig.tight_layout()
     path = folder / PLOTS[0]
-    data = {s: {"armed": summary.armed[s], "failed": summary.failed_when_armed[s], "rate": round(r, 4)}
-            for s, r in zip(sites, rates)}
+    data = {s: {"armed": summary.armed[s], "fired": summary.fired[s], "failed": summary.failed_when_armed[s],
+                "implicated": summary.implicated[s], "rate": round(r, 4), "implicated_rate": round(i, 4)}
+            for s, r, i in zip(sites, rates, implicated)}
     fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data, sort_keys=True)})
     plt.close(fig)
     written.append(path)
