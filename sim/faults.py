@@ -7,6 +7,8 @@ GC sites are consulted by :mod:`sim.gc` whenever a communicator is dropped.  ``e
 
 from __future__ import annotations
 
+import difflib
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +102,9 @@ NUMBERS: dict[str, tuple[type, int]] = {"at_step": (int, 0), "rank": (int, 0), "
 
 def validate(site: str, params: dict[str, Any]) -> Armed:
     if site not in SITES:
-        raise ScenarioError(f"fault site {site!r} not found; known: {', '.join(SITES)} (see `epsim faults`)")
+        close = difflib.get_close_matches(site, list(SITES), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ScenarioError(f"fault site {site!r} not found; {hint}known: {', '.join(SITES)} (see `epsim faults`)")
     unknown = sorted(set(params) - params_of(site))
     if unknown:
         raise ScenarioError(f"fault {site}: no parameter {unknown[0]!r}; it takes: "

@@ -421,22 +421,32 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
+def _close_field(loc: tuple) -> str | None:
+    """The field of the model at ``loc`` that an unknown key there most likely meant, if one is close."""
+    owner = _model_at(loc)
+    if owner is None or not loc:
+        return None
+    close = difflib.get_close_matches(str(loc[-1]), list(owner.model_fields), n=1)
+    return close[0] if close else None
+
+
 def _error_line(exc: ValidationError) -> str:
     """``field.path: message`` for the first error, with a count of any others."""
     errors = exc.errors()
-    err = errors[0]
+    # A misspelt key gives two errors, the unknown key and the field it left missing; the unknown key, with its
+    # "did you mean", is the one to show first, wherever pydantic listed it.
+    err = next((e for e in errors if e["type"] == "extra_forbidden" and _close_field(tuple(e.get("loc", ())))),
+               errors[0])
     loc = tuple(err.get("loc", ()))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, _Problem):
         line = f"{_join(_loc_str(loc), cause.path)}: {cause.message}"
     elif err["type"] == "extra_forbidden":
         owner = _model_at(loc)
-        key = str(loc[-1]) if loc else "?"
         msg = "unknown key"
         if owner is not None:
-            allowed = list(owner.model_fields)
-            close = difflib.get_close_matches(key, allowed, n=1)
-            msg += f"; did you mean '{close[0]}'?" if close else f" (allowed: {', '.join(allowed)})"
+            close = _close_field(loc)
+            msg += f"; did you mean '{close}'?" if close else f" (allowed: {', '.join(owner.model_fields)})"
         line = f"{_loc_str(loc)}: {msg}"
     else:
         msg = err["msg"]

@@ -424,3 +424,21 @@ def test_scenarios_cuts_a_description_at_a_word_to_the_terminal_and_says_so() ->
             [sys.executable, "-m", "sim.cli", "scenarios", "--json"], capture_output=True, text=True,
             timeout=60).stdout)}[name]
         assert full.startswith(text) and full[len(text)] == " "
+
+
+def test_a_typo_in_a_scenario_key_says_what_it_meant_even_among_other_errors(tmp_path) -> None:
+    from sim.scenario import builtin_dir
+
+    text = (builtin_dir() / "steady.yaml").read_text()
+    (tmp_path / "typo.yaml").write_text(text.replace("\nsteps:", "\nstepz:").replace("\nranks:", "\nrankz:"))
+    done = epsim("run", str(tmp_path / "typo.yaml"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "unknown key; did you mean 'ranks'?" in done.stderr and "more error" in done.stderr
+
+
+def test_a_misspelt_fault_site_and_a_function_that_is_no_factory_are_named_as_such() -> None:
+    done = epsim("run", "steady", "--fault", "gc.lat:delay_s=1")
+    assert done.returncode == 2 and "fault site 'gc.lat' not found; did you mean 'gc.late'?" in done.stderr
+    done = epsim("run", "steady", "--strategy", "os:getcwd")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("epsim: error: strategy 'os:getcwd' is not a strategy factory: getcwd()")
