@@ -411,9 +411,28 @@ def sweep(
         writable_dir(bundles_dir, "the bundles folder next to --db", make=False)
     eng.start()  # a Ray cluster that cannot be joined is refused before the database is made
     command = "epsim sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
-        outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,
-                                      command=command, on_result=progress)
+    stored_before = 0
+    terminated = []
+
+    def on_term(signum, frame) -> None:  # a SIGTERM stops the sweep as ^C does, its runs kept, and exits 143
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
+            stored_before = database.count()
+            try:
+                outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,
+                                              command=command, on_result=progress)
+            except KeyboardInterrupt:
+                kept = database.count() - stored_before
+                print(f"epsim: interrupted: {kept} run{'s' if kept != 1 else ''} of this sweep kept in {db}; the "
+                      f"same command with --resume runs the rest", file=sys.stderr)
+                _interrupt_said.append(True)
+                raise typer.Exit(143 if terminated else 130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     payload = {"planned": outcome.planned, "skipped": outcome.skipped, "ran": outcome.ran,
                "verdicts": outcome.verdicts, "new_signatures": outcome.new_signatures, "bundles": outcome.bundles,
                "wall_s": round(outcome.wall_s, 3), "runs_per_s": round(outcome.ran / max(outcome.wall_s, 1e-9), 2),
@@ -603,6 +622,9 @@ def _exit(status: int, fast: bool) -> None:
     sys.exit(status)
 
 
+_interrupt_said: list[bool] = []  # a command that said what an interruption left (a sweep) says it only once
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: click's multi-line usage errors and epsim's own errors both become one line, exit 2."""
     atexit.register(quiet.for_good)
@@ -628,7 +650,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except InternalError as exc:
         print(f"epsim: internal error: {one_line(str(exc))}", file=sys.stderr)
         sys.exit(3)
-    if status == 130:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns here, silently
+    if status == 130 and not _interrupt_said:  # typer turns ^C into Exit(130), which click returns here, silently
         print("epsim: interrupted", file=sys.stderr)
     _exit(status if isinstance(status, int) else 0, fast)
 

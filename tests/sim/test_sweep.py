@@ -346,3 +346,29 @@ def test_a_report_leaves_nothing_beside_the_database_it_read(tmp_path: Path) -> 
     done = epsim("report", str(db), "--no-plots", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["runs"] == 2
     assert not list(tmp_path.glob("r.db-*[lm]"))
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stopped_sweep_says_how_many_runs_it_kept_and_how_to_go_on(tmp_path: Path, signum, code) -> None:
+    db = tmp_path / "s.db"
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "sweep", "steady", "--seeds", "0:100000", "--db",
+                             str(db), "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until some runs are stored
+        time.sleep(0.5)
+        if db.exists():
+            try:
+                with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                    if con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] >= 3:
+                        break
+            except sqlite3.Error:
+                pass
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epsim: interrupted: "), lines
+    kept = int(lines[0].split()[2])
+    assert f"runs of this sweep kept in {db}; the same command with --resume runs the rest" in lines[0]
+    with resultsdb.open_existing(db) as stored:
+        assert stored.count() == kept >= 3
