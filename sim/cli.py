@@ -7,6 +7,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__, quiet
-from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line
+from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line, prog
 from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file, write_file_replacing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -393,8 +394,6 @@ def sweep(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
-    import shlex
-
     from . import engines, resultsdb
     from . import sweep as sweep_mod
     from .progress import SweepProgress
@@ -444,8 +443,8 @@ def sweep(
     typer.echo(f"{outcome.ran} runs in {outcome.wall_s:.1f} s ({payload['runs_per_s']} runs/s) on {engine}"
                + (f", {outcome.skipped} already stored" if outcome.skipped else "") + f": {counts}")
     for sig, path in zip(outcome.new_signatures, outcome.bundles):
-        typer.echo(f"new failure {sig}: epsim replay {shlex.quote(path)}")
-    typer.echo(f"results in {db}; summary: epsim report {shlex.quote(db)}")
+        typer.echo(f"new failure {sig}: {prog()} replay {shlex.quote(path)}")
+    typer.echo(f"results in {db}; summary: {prog()} report {shlex.quote(db)}")
 
 
 @app.command()
@@ -524,7 +523,7 @@ def shrink(
         typer.echo(json.dumps(payload))
         return
     typer.echo(f"{res.runs} runs; " + ", ".join(f"{n} {a}->{b}" for n, a, b in zip(names, before, after)))
-    typer.echo(f"shrunk bundle: {res.bundle} (epsim replay {res.bundle})")
+    typer.echo(f"shrunk bundle: {res.bundle} ({prog()} replay {shlex.quote(str(res.bundle))})")
     if saved:
         typer.echo(f"saved to the regression corpus: {saved}")
 

@@ -70,3 +70,11 @@ def refuse_empty(option: str, values) -> None:
     """``--strategy ''`` or ``--profile ''`` would silently mean "the scenario's own": refuse it, for run and sweep."""
     if any(not v.strip() for v in values):
         raise ScenarioError(f"{option}: empty; leave it out for the scenario's own")
+
+
+def prog() -> str:
+    """How the user runs epsim, for the commands a hint tells them to type: ``./dev epsim`` when ./dev started it
+    (it says so in EPSIM_PROG), else ``epsim``."""
+    import os
+
+    return os.environ.get("EPSIM_PROG", "").strip() or "epsim"

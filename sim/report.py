@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, prog
 
 
 def site(fault: str) -> str:
@@ -102,7 +102,7 @@ def render(summary: Summary, console) -> None:
             seeds = ", ".join(map(str, summary.signature_seeds[sig]))
             if n > len(summary.signature_seeds[sig]):  # the first few, and say so
                 seeds += f", ... ({n} runs)"
-            t.add_row(str(n), sig, seeds, f"epsim replay {bundle}" if bundle else "-")
+            t.add_row(str(n), sig, seeds, f"{prog()} replay {bundle}" if bundle else "-")
         console.print(t)
     else:
         console.print("no failures")

@@ -442,3 +442,19 @@ def test_a_misspelt_fault_site_and_a_function_that_is_no_factory_are_named_as_su
     done = epsim("run", "steady", "--strategy", "os:getcwd")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("epsim: error: strategy 'os:getcwd' is not a strategy factory: getcwd()")
+
+
+def test_hints_name_the_command_the_user_typed(tmp_path) -> None:
+    """./dev says how it was run (EPSIM_PROG): the replay and report hints use it; without it, `epsim`."""
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "h.db"
+    for env, want in (({"EPSIM_PROG": "./dev epsim"}, "./dev epsim"), ({}, "epsim")):
+        db.unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", "rank-failure", "--seeds", "0:1", "--db",
+                               str(db)], capture_output=True, text=True, timeout=120,
+                              env={**{k: v for k, v in os.environ.items() if k != "EPSIM_PROG"}, **env})
+        assert done.returncode == 0, done.stderr
+        assert f": {want} replay " in done.stdout and f"summary: {want} report " in done.stdout
