@@ -328,8 +328,10 @@ def test_e_unknown_strategy_lists_the_builtins() -> None:
 
 
 @pytest.mark.parametrize("source, message", [
-    ("def create(group, w, b):\n    pass\n", "create(group, w, b) cannot (too many positional arguments)"),
-    ("def create(group, w, b, prev=None, *, extra):\n    pass\n", "cannot (missing a required argument: 'extra')"),
+    ("def create(group, w, b):\n    pass\n", "is not a strategy factory: create(group, w, b) cannot be called as "
+     "factory(group, expert_weights, expert_buffer, prev_communicator), which returns an EPLB communicator (too "
+     "many positional arguments)"),
+    ("def create(group, w, b, prev=None, *, extra):\n    pass\n", "(missing a required argument: 'extra')"),
     ("x = 1\n", "'bad_factory' has no callable 'create'"),
     ("def create(\n", "importing 'bad_factory' failed: SyntaxError"),
 ])
@@ -340,7 +342,7 @@ def test_e_a_factory_that_cannot_be_called_as_workers_call_it_is_refused_at_load
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UnknownStrategy, match=re.escape(message)) as info:
         plugins.load("bad_factory:create")
-    assert str(info.value).startswith("strategy 'bad_factory:create': ") and "\n" not in str(info.value)
+    assert str(info.value).startswith("strategy 'bad_factory:create'") and "\n" not in str(info.value)
     for builtin in plugins.BUILTIN:  # the built-ins take what workers pass
         plugins.load(builtin)
 

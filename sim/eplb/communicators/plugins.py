@@ -171,11 +171,11 @@ def _check_signature(name: str, factory: Callable) -> Callable:
         return factory
     try:
         signature.bind(None, None, None, None)
-    except TypeError:
+    except TypeError as exc:
         raise UnknownStrategy(f"strategy {name!r} is not a strategy factory: "
                               f"{getattr(factory, '__name__', 'it')}{signature} cannot be called as "
                               f"factory(group, expert_weights, expert_buffer, prev_communicator), which returns an "
-                              f"EPLB communicator") from None
+                              f"EPLB communicator ({exc})") from None
     return factory
 
 
