@@ -44,6 +44,13 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
+def _quiet_nixl_errors() -> None:
+    """The catalogue provokes NIXL's errors on purpose (and a validation's faults do on real ranks): the library's
+    own log lines for them would bury the verdicts, so it logs only what is fatal, unless NIXL_LOG_LEVEL says
+    otherwise.  Set before the library loads, here and in the rank processes, which inherit it."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
+
+
 @app.command()
 def conform(
     backend: str = typer.Option("fake", help="fake or real"),
@@ -53,6 +60,8 @@ def conform(
 ) -> None:
     """Run the NIXL behaviour catalogue against a backend and name the profile it matches."""
     from . import conform as _conform
+
+    _quiet_nixl_errors()
 
     report = _conform.run(backend, profile, memory)
     if as_json:
@@ -163,6 +172,7 @@ def validate(
     require_real(device)
     if calibration is not None:
         load_calibration(calibration)  # a bad file is one line now, not after the catalogue
+    _quiet_nixl_errors()
 
     def progress(name: str, row) -> None:
         # Each case's outcome as soon as it is known: an interrupted validation keeps what it found on stderr.
