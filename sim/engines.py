@@ -11,6 +11,7 @@ future fails once one worker dies.  Workers are started with ``spawn`` (torch an
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -189,12 +190,15 @@ class RayEngine:
         if self.address:
             _check_reachable(self.address)
             try:
-                ray.init(address=self.address, log_to_driver=False)
+                ray.init(address=self.address, log_to_driver=False, logging_level=logging.ERROR)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise BackendUnavailable(f"--ray-address {self.address}: cannot join that Ray cluster "
                                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         else:
-            ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+            # Ray's own INFO and WARNING lines at start-up ("Started a local Ray instance", its token note) would
+            # land between epsim's: only its errors are shown.
+            ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR)
 
     def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
         ray = self.ray
