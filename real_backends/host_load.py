@@ -2,16 +2,16 @@
 
 On a host with fewer cores than busy threads (every rank polls its READs; NIXL's progress thread spins unless
 ``EPSIM_NIXL_PROGRESS_DELAY_US`` says otherwise), every cost grows with the number of rank processes: a READ, a
-collective, a full ``gc.collect()``.  Measured one at a time between two idle processes they are 10-25 times what
-a real scale-up shows per layer.  So ``epsim calibrate`` starts ``n`` processes loaded as ranks are (torch, NIXL
-with an agent, epsim's modules; each rank's progress-thread setting) for each ``n`` and measures, in all of them at
-once, as ranks do it, through the registration ledger a real rank's agents have (each call it records is an event
-sent to the parent, which the real backend's own times include):
+collective, a full ``gc.collect()``. Measured one at a time between two idle processes they add up to a tenth or
+less of what a real rebalance takes on a 2-core host. So ``epsim calibrate`` starts ``n`` processes loaded as ranks
+are (torch, NIXL with an agent, epsim's modules; each rank's progress-thread setting) for each ``n`` and measures,
+in all of them at once, as ranks do it, through the registration ledger a real rank's agents have (each call it
+records is an event sent to the parent, which the real backend's own times include):
 
 - an agent's creation (the first in a process loads UCX's transports), a memory registration, and a group's
   opening with every member there;
-- the remote setup: the metadata ``all_gather_object``, then ``add_remote_agent`` of each peer (the first peer a
-  process loads costs more than the later ones);
+- the remote setup: ``add_remote_agent`` of each peer once the metadata is gathered (an agent's first peer costs
+  more than the later ones);
 - rounds as a layer of a rebalance is: every member READs ``k`` experts of ``b`` bytes from its neighbour (each a
   READ of one descriptor per weight tensor, prepared, posted, polled to DONE and released), then an ``all_reduce``
   barrier; and rounds with the barrier alone (the collective's cost);
@@ -43,8 +43,6 @@ DESCS_PER_READ = 2  # as the scenarios' experts: one descriptor per weight tenso
 def _member(rank: int, n: int, port: int, plan: dict[str, Any], conn, events) -> None:
     """One of the ``n`` processes: everything it measured goes back over ``conn`` (or the error, as a string);
     the ledger's events go to ``events``, which the parent drains as it drains a rank's."""
-    import threading
-
     lock = threading.Lock()
 
     def emit(kind: str, **fields: Any) -> None:
