@@ -175,16 +175,16 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
     measured = Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
-                       collective_latency_s=measure_collective(how["collectives"]),
-                       process_start_s=measure_process_start(how["starts"]),
-                       collect_s=_finite(measure_collect(how["collects"])),
-                       concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
-                                                                 repeats=how["share_repeats"]),
-                       quick=quick, device=device, memory=reads["memory"],
-                       progress_delay_us=progress_delay_us(), loaded=measure_loaded(how["load"], device),
-                       nixl=reads["package"], host=platform.node(),
-                       measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       points=[{"bytes": b, "seconds": t} for b, t in points])
+                           collective_latency_s=measure_collective(how["collectives"]),
+                           process_start_s=measure_process_start(how["starts"]),
+                           collect_s=_finite(measure_collect(how["collects"])),
+                           concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
+                                                                     repeats=how["share_repeats"]),
+                           quick=quick, device=device, memory=reads["memory"],
+                           progress_delay_us=progress_delay_us(), loaded=measure_loaded(how["load"], device),
+                           nixl=reads["package"], host=platform.node(),
+                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           points=[{"bytes": b, "seconds": t} for b, t in points])
     return fit_stalls(measured, device, repeats=how["fit_runs"])[0]
 
 
