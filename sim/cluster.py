@@ -67,6 +67,7 @@ class Cluster(Engine):
         self._row_bytes, self.nominal_row_bytes = row_bytes, m.nominal_expert_bytes / m.tensors_per_layer
         self._costs: dict[str, float] = {}
         self._costs_for = -1  # the number of live rank processes self._costs are for
+        self._command_width = 0  # how many ranks the engine's last command went to (collections run that wide)
         self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami,
                                  time_model=NominalTimeModel(row_bytes, self.nominal_row_bytes))
         self.fabric.poll_wait = self._poll_wait
@@ -276,6 +277,16 @@ class Cluster(Engine):
 
     def rocm(self) -> bool:
         return self.profile == "rocm-strict"  # the fake's ROCm profile (vLLM's code is told it runs on ROCm there)
+
+    def dispatching(self, kind: str, pids: list[int]) -> None:
+        self._command_width = len(pids)
+
+    def collect_cost(self) -> float:
+        """A planned collection's calibrated cost, at the ranks the last command went to: they collect at once."""
+        if self.calibration is None:
+            return 0.0
+        width = max(1, min(self._command_width or self._costs_for, max(self._costs_for, 1)))
+        return self.calibration.costs(width)["collect_s"]
 
     def dispatch_gap(self) -> None:
         gap = self.cost("command_s")

@@ -74,6 +74,7 @@ class Engine:
 
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
+        self.dispatching(kind, pids)
         handles = {}
         for i, p in enumerate(pids):
             if i:
@@ -388,6 +389,9 @@ class Engine:
     def rocm(self) -> bool:
         """Whether the ranks' platform is ROCm (vLLM's ``current_platform.is_rocm()``)."""
         return False
+
+    def dispatching(self, kind: str, pids: list[int]) -> None:
+        """A command is about to go to ``pids`` (a cost model may depend on how many ranks run it at once)."""
 
     def dispatch_gap(self) -> None:
         """Between posting one command to two ranks in turn: a real parent's sends take time of their own (they pass

@@ -80,8 +80,10 @@ class GcController:
             self._collected_at = now
             _gc.collect()
         # A calibration says how long a full collection holds a rank's thread; the simulated thread that asked waits
-        # that long (the defaults, and the engine's own collections, take none).
-        seconds = self.cluster.cost("collect_s")
+        # that long (the defaults, and the engine's own collections, take none).  It was measured with every process
+        # collecting at once, so it is taken at the number of ranks the command that collects went to (COMMIT's
+        # committing ranks, exit's departing ones), not at the ranks alive.
+        seconds = self.cluster.collect_cost()
         if seconds > 0 and self.kernel.current() is not None:
             self.kernel.sleep(seconds, "gc.collect")
 
