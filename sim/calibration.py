@@ -95,13 +95,11 @@ class Calibration(BaseModel):
         measured rank counts and along the last two beyond them (never below zero); the nearest row below the
         first.  Bandwidth goes as seconds per byte, which grows with the processes sharing the cores."""
         rows = sorted(self.loaded, key=lambda r: r.ranks)
-        if not rows:
-            return {"xfer_latency_s": self.xfer_latency_s, "post_s": 0.0, "connect_s": self.connect_s,
-                    "collective_s": self.collective_latency_s, "gather_s": self.collective_latency_s,
-                    "first_agent_s": 0.0, "agent_s": 0.0, "register_s": 0.0, "first_remote_setup_s": 0.0,
-                    "remote_setup_s": 0.0, "collect_s": self.collect_s, "seconds_per_byte": 1.0 / self.bandwidth_Bps,
-                    "copy_latency_s": 0.0, "copy_seconds_per_byte": 0.0, "command_s": 0.0, "teardown_s": 0.0,
-                    "stall_s": 0.0, "group_s": 0.0}
+        if not rows:  # the two-process numbers; every other cost is none
+            return {**dict.fromkeys(LOAD_COSTS, 0.0), "xfer_latency_s": self.xfer_latency_s,
+                    "connect_s": self.connect_s, "collective_s": self.collective_latency_s,
+                    "gather_s": self.collective_latency_s, "collect_s": self.collect_s,
+                    "seconds_per_byte": 1.0 / self.bandwidth_Bps}
 
         def value(row: HostLoad, key: str) -> float:
             if key == "seconds_per_byte":

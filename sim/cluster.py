@@ -72,7 +72,7 @@ class Cluster(Engine):
                                  time_model=NominalTimeModel(row_bytes, self.nominal_row_bytes))
         self.fabric.poll_wait = self._poll_wait
         if calibration is not None:
-            self.fabric.spend = self._spend
+            self.fabric.spend = self.spend
             self._retime()
         self.fabric.thread_of = self.kernel.current
         self.oracles = Oracles(self)
@@ -126,9 +126,10 @@ class Cluster(Engine):
             return 0.0
         return rows * (self.cost("copy_latency_s") + row_bytes * self.cost("copy_seconds_per_byte"))
 
-    def _spend(self, seconds: float, why: str) -> None:
-        """A fake call's own host time, on the simulated thread that made it (none on the engine's or outside)."""
-        if self.kernel.current() is not None:
+    def spend(self, seconds: float, why: str) -> None:
+        """A calibrated cost's host time, on the simulated thread that incurs it (a fake call's, a collection's, a
+        copy's, the engine's posting); nothing when the cost is none or no simulated thread is running."""
+        if seconds > 0 and self.kernel.current() is not None:
             self.kernel.sleep(seconds, why)
 
     def _poll_wait(self, due: float) -> None:
@@ -289,9 +290,7 @@ class Cluster(Engine):
         return self.calibration.costs(width)["collect_s"]
 
     def dispatch_gap(self) -> None:
-        gap = self.cost("command_s")
-        if gap > 0:
-            self.kernel.sleep(gap, "posting the command to the next rank")
+        self.spend(self.cost("command_s"), "posting the command to the next rank")
 
     def before_rebalance(self) -> None:
         self._cache.clear()  # every earlier move has finished (drained): its plans are garbage

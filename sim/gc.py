@@ -83,9 +83,7 @@ class GcController:
         # that long (the defaults, and the engine's own collections, take none).  It was measured with every process
         # collecting at once, so it is taken at the number of ranks the command that collects went to (COMMIT's
         # committing ranks, exit's departing ones), not at the ranks alive.
-        seconds = self.cluster.collect_cost()
-        if seconds > 0 and self.kernel.current() is not None:
-            self.kernel.sleep(seconds, "gc.collect")
+        self.cluster.spend(self.cluster.collect_cost(), "gc.collect")
 
     def process_gone(self, pid: int) -> None:
         """Process ``pid`` exited or was killed: what a GC fault still holds for it (a cycle awaiting a collection,

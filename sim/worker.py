@@ -135,9 +135,7 @@ class Worker:
     def _opening_group(self) -> None:
         """A new group's connections (gloo connects a full mesh) before a communicator is built on it: a
         calibrated cost, none otherwise."""
-        seconds = self.cluster.cost("group_s")
-        if seconds > 0:
-            self.kernel.sleep(seconds, "opening the group")
+        self.cluster.spend(self.cluster.cost("group_s"), "opening the group")
 
     def _build_first(self, done: Any = None) -> None:
         self._opening_group()
@@ -317,9 +315,7 @@ class Worker:
         return 2 * len(plan.local_copies) + len(plan.recvs) + len(plan.recv_copies)
 
     def _copying(self, rows: int, why: str) -> None:
-        seconds = self.cluster.host_copy_s(rows, self.cluster.nominal_row_bytes)
-        if seconds > 0:
-            self.kernel.sleep(seconds, why)
+        self.cluster.spend(self.cluster.host_copy_s(rows, self.cluster.nominal_row_bytes), why)
 
     def _move(self, old: Placement, new: Placement, mapping, paced: bool) -> None:
         # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
@@ -521,8 +517,6 @@ class Worker:
         # a communicator a gc.cycle fault put in a cycle is finalized here, not lost with the process.
         self.cluster.gc.collect(f"exit@{self.pid}", self.pid)
         # Then the process ends: the interpreter's teardown with torch and NIXL loaded (calibrated; none otherwise).
-        teardown = self.cluster.cost("teardown_s")
-        if teardown > 0:
-            self.kernel.sleep(teardown, "the process's teardown at exit")
+        self.cluster.spend(self.cluster.cost("teardown_s"), "the process's teardown at exit")
         self.alive = False
         self.history("worker.exit")
