@@ -258,10 +258,11 @@ def compare_one(calibration: Calibration, case: tuple, device: str = "cpu", time
     from sim.run import run_scenario
 
     from .run import run_real
+    from .validate import predicted_profile
 
     name, strategy, ranks, to, layers, row_bytes = case
     sc = comparison_scenario(name, ranks, to, layers, row_bytes)
-    profile = "cuda" if device == "cuda" else "dram"
+    profile = predicted_profile(device)
     sim = run_scenario(as_real_runs(sc), strategy=strategy, profile=profile, calibration=calibration)
     real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
     rows = []
@@ -307,6 +308,7 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
     from sim.run import run_scenario
 
     from .run import run_real
+    from .validate import predicted_profile
 
     name, strategy, ranks, to, layers, row_bytes = case
     sc = comparison_scenario(name, ranks, to, layers, row_bytes)
@@ -323,7 +325,7 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
                                                          for r in calibration.loaded]})
 
     def error(per_rank: float) -> float:
-        sim = run_scenario(as_real_runs(sc), strategy=strategy, profile="cuda" if device == "cuda" else "dram",
+        sim = run_scenario(as_real_runs(sc), strategy=strategy, profile=predicted_profile(device),
                            calibration=with_stall(per_rank))
         simulated = _rebalances(sim.spans)
         return statistics.median(a / b - 1 for measured in runs for a, b in zip(simulated, measured) if b > 0)
