@@ -21,7 +21,8 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors
 
 from . import __version__, quiet
-from .errors import BadOutput, EpsimError, InternalError, ScenarioError, one_line, prog
+from .errors import (BackendUnavailable, BadOutput, EpsimError, InternalError, ScenarioError, UnknownName, one_line,
+                     prog)
 from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file, write_file_replacing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -56,11 +57,18 @@ def conform(
     backend: str = typer.Option("fake", help="fake or real"),
     profile: Optional[str] = typer.Option(None, help="judge against this profile (default: the one matched)"),
     memory: str = typer.Option("dram", help="dram, or vram on a GPU host"),
+    library: str = typer.Option("nixl", help="nixl, or deep_ep (its catalogue; real: a DeepEP build and a GPU)"),
+    deep_ep_module: str = typer.Option("deep_ep", help="with --library deep_ep: the module of your DeepEP build"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Run the NIXL behaviour catalogue against a backend and name the profile it matches."""
+    """Run a behaviour catalogue (NIXL's, or DeepEP's) against a backend; for NIXL, name the profile it matches."""
     from . import conform as _conform
 
+    if library == "deep_ep":
+        _conform_deep_ep(backend, deep_ep_module, as_json)
+        return
+    if library != "nixl":
+        raise UnknownName(f"library {library!r} not known; use one of: nixl, deep_ep")
     _quiet_nixl_errors()
 
     report = _conform.run(backend, profile, memory)
@@ -84,6 +92,30 @@ def conform(
         typer.echo(f"{backend} NIXL on {report['memory']}: {counts['pass']} pass, {counts['fail']} fail, "
                    f"{counts['skip']} skip; matched profile: {report['matched_profile'] or 'none'}")
     if report["matched_profile"] is None or any(c["outcome"] == "fail" for c in report["cases"]):
+        raise typer.Exit(1)
+
+
+def _conform_deep_ep(backend: str, module: str, as_json: bool) -> None:
+    """The DeepEP catalogue: every case on the fake (simulated ranks) or on a real build (one process per rank)."""
+    from real_backends import deep_ep_probe
+
+    if backend not in ("fake", "real"):
+        raise UnknownName(f"backend {backend!r} not known; use one of: fake, real")
+    if backend == "real" and (why := deep_ep_probe.unavailable(module)):
+        raise BackendUnavailable(why)
+    report = deep_ep_probe.run(backend, module)
+    counts = {k: sum(c["outcome"] == k for c in report["cases"]) for k in ("pass", "fail")}
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        for c in report["cases"]:
+            line = f"{c['outcome']:4}  {c['name']}"
+            if c["outcome"] == "fail":
+                line += f"  observed={c['observed']!r} expected={c['expected']!r}"
+            typer.echo(line)
+        typer.echo(f"{backend} DeepEP ({report['module']}): {counts['pass']} pass, {counts['fail']} fail "
+                   f"in {report['seconds']} s")
+    if counts["fail"]:
         raise typer.Exit(1)
 
 

@@ -35,6 +35,8 @@ NUM_MAX_RDMA_PEERS = 20
 NUM_BUFFER_ALIGNMENT_BYTES = 128
 # The EP sizes DeepEP's get_dispatch_config / get_combine_config have a recommended config for (deep_ep/buffer.py).
 CONFIG_EP_SIZES = frozenset({2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
+# The hidden sizes the low-latency kernels are built for (SWITCH_HIDDEN in csrc/kernels/launch.cuh).
+LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
     "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
@@ -87,15 +89,17 @@ class EventOverlap:
 
 @dataclass(frozen=True)
 class _Handle:
-    """What dispatch returns for combine: bound to the buffer (and EP size) that made it."""
+    """What dispatch returns for combine: layout data only (DeepEP's handles are tensors and sizes), so it fits any
+    buffer of the EP size that made it."""
 
-    team: int
+    team: int  # the buffer that made it (for messages; combine does not check it)
     ep_size: int
     rank: int
     low_latency: bool
     layout: Any  # HT: per source rank, the token indices received; LL: per local expert, (src rank, token) pairs
     num_tokens: int  # tokens this rank dispatched
-    seq: int  # LL: the buffer-use number, to find a reused receive buffer
+    max_tokens: int = 0  # LL: num_max_dispatch_tokens_per_rank of the dispatch
+    num_experts: int = 0  # LL
 
 
 class _Runtime:
@@ -235,9 +239,11 @@ class Buffer:
         return lambda num_experts: num_experts // self.group_size
 
     def _check_handle(self, handle: _Handle, low_latency: bool) -> None:
+        """A handle is plain layout data (DeepEP: tensors and sizes), so any buffer of the same EP size takes it; one
+        from another EP size fails the kernels' shape assertions."""
         if not isinstance(handle, _Handle) or handle.low_latency != low_latency:
             raise TypeError("handle must be the one dispatch returned")
-        if handle.team != self._team.id or handle.ep_size != self.group_size or handle.rank != self.rank:
+        if handle.ep_size != self.group_size or handle.rank != self.rank:
             raise RuntimeError(f"Assertion error: handle from another buffer (EP size {handle.ep_size}, this buffer "
                                f"{self.group_size})")
 
@@ -250,18 +256,10 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """The layout DeepEP's ``LowLatencyLayout`` describes: two (odd/even) sets of send, receive and signalling
-        buffers for FP8-or-BF16 dispatch messages and BF16 combine messages, rounded up to 128 bytes.  Follows the
-        structure of the formula; the exact constants are not checked against a DeepEP build."""
-        num_scales = hidden // 128
-        dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
-        combine_msg = num_scales * 4 + hidden * 2
-        m = num_max_dispatch_tokens_per_rank
-        send = max(m * dispatch_msg, num_experts * m * combine_msg)
-        recv = num_experts * m * max(dispatch_msg, combine_msg)
-        signal = num_experts * 4
-        total = 2 * (send + recv + signal)
-        return ((total + 127) // 128) * 128
+        """DeepEP's ``get_low_latency_rdma_size_hint``: the ``LowLatencyLayout`` bytes, plus one alignment unit
+        (DeepEP rounds ``(bytes + 128) / 128``, so an aligned total gains 128)."""
+        total = _ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return (total + NUM_BUFFER_ALIGNMENT_BYTES) // NUM_BUFFER_ALIGNMENT_BYTES * NUM_BUFFER_ALIGNMENT_BYTES
 
     def get_local_device_id(self) -> int:
         self._live("get_local_device_id")
@@ -337,7 +335,7 @@ class Buffer:
         self._needs_clean = self.low_latency_mode
         counts = [int((recv_idx == e).sum()) for e in range(per)]
         counts = [((c + expert_alignment - 1) // expert_alignment) * expert_alignment for c in counts]
-        new_handle = _Handle(self._team.id, self.group_size, rank, False, layout, int(x.shape[0]), 0)
+        new_handle = _Handle(self._team.id, self.group_size, rank, False, layout, int(x.shape[0]))
         return recv_x, recv_idx, recv_w, counts, new_handle, EventOverlap()
 
     def combine(self, x: torch.Tensor, handle: _Handle, topk_weights: Optional[torch.Tensor] = None,
@@ -347,6 +345,9 @@ class Buffer:
         self._live("intranode_combine")
         self._check_config(config)
         self._check_handle(handle, low_latency=False)
+        if x.dtype != torch.bfloat16:  # the intranode combine kernel is built for bf16 alone (SWITCH_TYPES)
+            raise RuntimeError("Failed: Assertion error csrc/kernels/intranode.cu: 'false and \"Unsupported type\"' "
+                               f"(combine of {x.dtype})")
         mine = (x.detach().clone(), None if topk_weights is None else topk_weights.clone(), handle.layout,
                 handle.num_tokens)
 
@@ -375,19 +376,33 @@ class Buffer:
         return combined, weights, EventOverlap()
 
     # -- low-latency dispatch and combine (collective, double-buffered) --------------------------------------------
-    def _ll_turn(self, what: str) -> tuple[int, int]:
+    def _ll_checks(self, what: str, hidden: int, max_tokens: int, num_experts: int) -> None:
+        """The host assertions a low-latency call makes before it flips the double-buffer parity."""
         self._live(what)
         if not self.low_latency_mode:
             raise RuntimeError("Assertion error: low_latency_mode must be enabled for low-latency kernels")
+        _assert(hidden % 128 == 0, "x.size(1) % sizeof(int4) == 0 and x.size(1) % 128 == 0", f"hidden {hidden}")
+        _assert(num_experts % self.group_size == 0, "num_experts % num_ranks == 0",
+                f"{num_experts} experts over {self.group_size} ranks")
+        need = _ll_layout_bytes(max_tokens, hidden, num_experts)
+        _assert(need <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes",
+                f"the layout needs {need} bytes, the buffer has {self.num_rdma_bytes}")
+
+    def _ll_turn(self, what: str, async_finish: bool, return_recv_hook: bool, hidden: int) -> tuple[int, int]:
+        """Flip the parity, then the assertions DeepEP makes after the flip (a refused call has flipped it too), and
+        the stale flags of high-throughput use."""
+        parity, use = self._ll_parity, self._ll_uses
+        self._ll_parity ^= 1
+        self._ll_uses += 1
+        _no_async_with_hook(async_finish, return_recv_hook)
+        _assert(hidden in LL_HIDDEN_SIZES, 'false and "Unsupported hidden"',
+                f"hidden {hidden}; the kernels are built for {sorted(LL_HIDDEN_SIZES)}")
         if self._needs_clean:
             # Flags left by high-throughput use: the LL kernels wait for counts that never come, then trap.
             self._kernel.sleep(100.0, f"{what}: stale flags (no clean_low_latency_buffer after HT use)")
             self.state = POISONED
             raise DeepEPTimeout(f"device barrier trapped (sticky CUDA error): {what} found flags of high-throughput "
                                 "use; clean_low_latency_buffer was not called", [])
-        parity, use = self._ll_parity, self._ll_uses
-        self._ll_parity ^= 1
-        self._ll_uses += 1
         return parity, use
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -397,11 +412,13 @@ class Buffer:
                              return_recv_hook: bool = False):
         """(recv_x, recv_count, handle, event, hook): ``recv_x`` is ``[local experts, ranks * max tokens, hidden]``
         (with ``use_fp8``, a pair of FP8 data and per-128-channel scales)."""
-        _no_async_with_hook(async_finish, return_recv_hook)
-        parity, use = self._ll_turn("low_latency_dispatch")
-        if x.shape[0] > num_max_dispatch_tokens_per_rank:
-            raise RuntimeError(f"Assertion error: {x.shape[0]} tokens > num_max_dispatch_tokens_per_rank "
-                               f"{num_max_dispatch_tokens_per_rank}")
+        self._ll_checks("low_latency_dispatch", int(x.shape[-1]), num_max_dispatch_tokens_per_rank, num_experts)
+        _assert(x.dim() == 2 and x.dtype == torch.bfloat16, "x.dim() == 2 and x.is_contiguous() and x.scalar_type() "
+                "== torch::kBFloat16", f"x is {x.dtype} of {x.dim()} dims")
+        _assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64", str(topk_idx.dtype))
+        _assert(x.shape[0] <= num_max_dispatch_tokens_per_rank, "x.size(0) <= num_max_dispatch_tokens_per_rank",
+                f"{x.shape[0]} tokens > {num_max_dispatch_tokens_per_rank}")
+        parity, use = self._ll_turn("low_latency_dispatch", async_finish, return_recv_hook, int(x.shape[1]))
         ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
         per = num_experts // ranks
         mine = (x.detach().clone(), topk_idx.clone())
@@ -427,7 +444,8 @@ class Buffer:
         recv_x, count, layout = self._meet("low_latency_dispatch", mine, route, parity=parity, device_side=True)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
-        handle = _Handle(self._team.id, self.group_size, self.rank, True, layout, int(x.shape[0]), use)
+        handle = _Handle(self._team.id, self.group_size, self.rank, True, layout, int(x.shape[0]),
+                         num_max_dispatch_tokens_per_rank, num_experts)
         if use_fp8:
             recv_x = _to_fp8(recv_x)
         if not return_recv_hook:
@@ -442,14 +460,17 @@ class Buffer:
                             handle: _Handle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False, out: Any = None):
         """(combined_x, event, hook): ``combined_x[t] = sum_k topk_weights[t, k] * x[expert k's row for t]``."""
-        _no_async_with_hook(async_finish, return_recv_hook)
         self._check_handle(handle, low_latency=True)
-        if self._ll_uses - handle.seq > 2:
-            # At most two LL results in flight: the receive buffer this handle describes was written again.
-            self._live("low_latency_combine")
-            raise RuntimeError("low_latency_combine: the handle's receive buffer was reused by a later low-latency "
-                               "call (at most two results may be in flight)")
-        parity, _ = self._ll_turn("low_latency_combine")
+        self._ll_checks("low_latency_combine", int(x.shape[-1]), handle.max_tokens, handle.num_experts)
+        _assert(x.dim() == 3 and x.dtype == torch.bfloat16, "x.dim() == 3 and x.is_contiguous() and x.scalar_type() "
+                "== torch::kBFloat16", f"x is {x.dtype} of {x.dim()} dims")
+        _assert(x.shape[0] == handle.num_experts // self.group_size and
+                x.shape[1] == self.group_size * handle.max_tokens,
+                "x.size(0) == num_experts / num_ranks and x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank",
+                f"x is {list(x.shape)}")
+        _assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32",
+                str(topk_weights.dtype))
+        parity, _ = self._ll_turn("low_latency_combine", async_finish, return_recv_hook, int(x.shape[2]))
         mine = (x.detach().clone(), handle.layout)
         ranks = self.group_size
         num_tokens, weights, idx = handle.num_tokens, topk_weights.clone(), topk_idx.clone()
@@ -483,6 +504,8 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the LL buffers' flags: a device barrier before and after, so collective."""
         self._live("clean_low_latency_buffer")
+        if not self.low_latency_mode:
+            raise RuntimeError("Assertion error: low_latency_mode must be enabled for low-latency kernels")
         self._meet("clean_low_latency_buffer", None, lambda xs: [None] * len(xs), device_side=True)
         self._needs_clean = False
 
@@ -543,6 +566,26 @@ class Buffer:
                 pass
             return
         self._destroy()
+
+
+def _assert(ok: bool, cond: str, detail: str) -> None:
+    """DeepEP's ``EP_HOST_ASSERT``: a RuntimeError naming the condition."""
+    if not ok:
+        raise RuntimeError(f"Failed: Assertion error csrc/deep_ep.cpp: '{cond}' ({detail})")
+
+
+def _ll_layout_bytes(max_tokens: int, hidden: int, num_experts: int) -> int:
+    """The bytes of DeepEP's ``LowLatencyLayout`` (csrc/config.hpp): two (odd/even) sets of a send buffer, a receive
+    buffer and a 128-byte-aligned signalling buffer, each sized for the larger of an FP8-or-BF16 dispatch message
+    (a 16-byte header, then the row) and a BF16 combine message."""
+    num_scales = hidden // 128
+    _assert(num_scales * 4 <= hidden, "num_scales * sizeof(float) <= hidden", f"hidden {hidden}")
+    dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
+    combine_msg = num_scales * 4 + hidden * 2
+    send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    recv = num_experts * max_tokens * max(dispatch_msg, combine_msg)
+    signal = -(-num_experts * 4 // NUM_BUFFER_ALIGNMENT_BYTES) * NUM_BUFFER_ALIGNMENT_BYTES
+    return 2 * (send + recv + signal)
 
 
 def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
