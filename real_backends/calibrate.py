@@ -25,7 +25,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from sim.calibration import Calibration, HostLoad, fit
 
@@ -164,16 +164,23 @@ def _finite(seconds: float) -> float:
     return seconds if seconds == seconds else 0.0
 
 
-def measure(device: str = "cpu", quick: bool = False) -> Calibration:
+def _quiet(message: str) -> None:
+    pass
+
+
+def measure(device: str = "cpu", quick: bool = False, progress: Callable[[str], None] = _quiet) -> Calibration:
+    """The calibration of this host; ``progress`` hears each step as it starts (a full run takes minutes)."""
     from benchmarks import transfers
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # the helper processes' INFO lines would land on stdout
     how = QUICK if quick else FULL
+    progress(f"READs between two agents, {len(how['sizes_mib'])} sizes")
     reads = transfers.measure(sizes_mib=how["sizes_mib"], repeats=how["repeats"], device=device, prep_each=True)
     points = [(v["bytes"], v["nixl_s"]) for v in reads["sizes"].values()]
     latency, bandwidth = fit(points)
     # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
+    progress("collectives, process starts, collections, concurrent READs")
     measured = Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
                            collective_latency_s=measure_collective(how["collectives"]),
                            process_start_s=measure_process_start(how["starts"]),
@@ -181,19 +188,23 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
                            concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
                                                                      repeats=how["share_repeats"]),
                            quick=quick, device=device, memory=reads["memory"],
-                           progress_delay_us=progress_delay_us(), loaded=measure_loaded(how["load"], device),
+                           progress_delay_us=progress_delay_us(),
+                           loaded=measure_loaded(how["load"], device, progress),
                            nixl=reads["package"], host=platform.node(),
                            measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            points=[{"bytes": b, "seconds": t} for b, t in points])
+    progress(f"fitting the stall on {how['fit_runs']} real runs of {FIT_CASE[0]} {FIT_CASE[2]}->{FIT_CASE[3]}")
     return fit_stalls(measured, device, repeats=how["fit_runs"])[0]
 
 
-def measure_loaded(plan: dict[str, Any], device: str = "cpu") -> list[HostLoad]:
+def measure_loaded(plan: dict[str, Any], device: str = "cpu",
+                   progress: Callable[[str], None] = _quiet) -> list[HostLoad]:
     """A :class:`HostLoad` row for each number of rank processes in ``plan["ranks"]``."""
     from . import host_load
 
     rows = []
     for n in plan["ranks"]:
+        progress(f"the host loaded as {n} ranks")
         got = host_load.measure(n, {**plan, "device": device})
         latency, post, bandwidth = host_load.fit_rounds(got["rounds"], got["collective_s"])
         copy_latency, copy_bandwidth = fit(got["copies"])
@@ -347,12 +358,16 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
 
 
 def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0,
-            cases: tuple = COMPARISONS) -> dict[str, Any]:
+            cases: tuple = COMPARISONS, progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
     """Every case of :func:`compare_one` and, first, the fitting run's own case (``fitted``: its rebalances decided
     stall_s, so it says how well the fit took, not how well the model predicts); the median error of each kind of
     span over the judged runs, and over the fitted one apart."""
-    runs = [{**compare_one(calibration, FIT_CASE, device, timeout_s), "fitted": True}]
-    runs += [{**compare_one(calibration, case, device, timeout_s), "fitted": False} for case in cases]
+    runs = []
+    for i, case in enumerate((FIT_CASE, *cases)):
+        name, _, ranks, to, layers, row_bytes = case
+        progress(f"comparing {i + 1}/{len(cases) + 1}: {name} {ranks}->{to}, {layers} layers, "
+                 f"{row_bytes >> 10} KiB rows, in both worlds")
+        runs.append({**compare_one(calibration, case, device, timeout_s), "fitted": i == 0})
 
     def summary(chosen: list[dict[str, Any]]) -> dict[str, Any]:
         out = {}

@@ -26,7 +26,7 @@ from typing import Any
 from sim import faults as fault_catalogue
 from sim.engine import PREPARE_POLL_STEPS, Engine
 from sim.eplb.state import LoadWindow, Placement
-from sim.errors import ScenarioError
+from sim.errors import BackendUnavailable, ScenarioError
 
 from .groups import RealGroup
 from .launch import LocalLauncher
@@ -53,6 +53,18 @@ def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -
         if a.site == "device.stream_lag" and device != "cuda":
             raise RealFaultRefused("fault device.stream_lag delays copies on a CUDA stream: use --device cuda "
                                    "(host-memory copies run when issued)")
+
+
+def check_real_all2all(scenario, device: str) -> None:
+    """A DeepEP all2all on the real backend needs a GPU and a DeepEP build importable as ``deep_ep``."""
+    from .deep_ep_probe import unavailable
+
+    if device != "cuda":
+        raise ScenarioError(f"all2all.backend {scenario.all2all.backend}: DeepEP's buffers live on GPUs; run it with "
+                            "--device cuda and a DeepEP build, simulate it, or set all2all.backend=none")
+    why = unavailable()
+    if why is not None:
+        raise BackendUnavailable(f"all2all.backend {scenario.all2all.backend}: {why}")
 
 
 PREPARE_POLL_S = 5.0  # how long the communicators still building may take before another chunk of serving
@@ -153,8 +165,7 @@ class RealCluster(Engine):
 
         check_real_faults(list(faults), device)
         if scenario.all2all.backend != "none":
-            raise ScenarioError(f"all2all.backend {scenario.all2all.backend}: the real backend runs no all2all "
-                                "buffers yet (DeepEP needs a build and GPUs); simulate it, or set all2all.backend=none")
+            check_real_all2all(scenario, device)
         plugins.load(strategy, fresh=False)  # a missing or broken strategy is a one-line error before anything starts
         self.scenario, self.seed, self.strategy, self.device = scenario, seed, strategy, device
         self.timeout_s = timeout_s
@@ -340,8 +351,10 @@ class RealCluster(Engine):
         PREPARE or a rearrange, taken from the plan here so that ``times`` counts across processes as in the
         simulation.  A PREPARE's are those of the step its window ends at (``build_step``), decided when the command
         is posted, as the simulation decides them (its PREPARE builds at that step; the real rank at once)."""
-        drops = {"commit": ["old communicator"],
-                 "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"],
+        a2a = self.scenario.all2all.backend != "none"
+        drops = {"commit": ["old communicator"] + ["old all2all buffer"] * a2a,
+                 "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"]
+                 + ["all2all buffer at exit"] * a2a,
                  "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])
         gc_faults = {}
         for what in drops:

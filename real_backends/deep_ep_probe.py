@@ -18,12 +18,12 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fakes.conformance.deep_ep_cases import CASES, Ctx, judge
 
 DEFAULT_MODULE = "deep_ep"
-CASE_TIMEOUT_S = 180.0
+CASE_TIMEOUT_S = 90.0  # a case's ranks start (torch, a CUDA context, gloo) and wait at most seconds in it
 
 
 def run_case(name: str, impl: str, module: str = DEFAULT_MODULE, timeout_s: float = CASE_TIMEOUT_S) -> dict:
@@ -32,10 +32,16 @@ def run_case(name: str, impl: str, module: str = DEFAULT_MODULE, timeout_s: floa
     return judge(name, observed)
 
 
-def run(impl: str, module: str = DEFAULT_MODULE, names: list[str] | None = None) -> dict[str, Any]:
-    """Every case (or ``names``) on one side: a report in the shape ``epsim conform`` prints."""
+def run(impl: str, module: str = DEFAULT_MODULE, names: list[str] | None = None,
+        on_case: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Every case (or ``names``) on one side: a report in the shape ``epsim conform`` prints; ``on_case`` hears each
+    judged case as it ends."""
     started = time.monotonic()
-    cases = [run_case(n, impl, module) for n in (names or list(CASES))]
+    cases = []
+    for name in names or list(CASES):
+        cases.append(run_case(name, impl, module))
+        if on_case is not None:
+            on_case(cases[-1])
     return {"library": "deep_ep", "backend": impl, "module": module if impl == "real" else "fakes.deep_ep",
             "cases": cases, "seconds": round(time.monotonic() - started, 1)}
 

@@ -61,6 +61,10 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
                 leaked.update((c, len(oracles.live[c])) for c in fields.get("leaked", ()) if c in oracles.live)
             elif kind == "engine.reconfigured":
                 oracles.reconfiguration_complete(fields["members"])
+            elif kind == "deep_ep.leak":  # DeepEP's warning, seen on the rank's stdout (real_backends/rank.py)
+                oracles.buffer_leaked(fields["pid"], fields["team"], len(history) - 1, clock[0])
+            elif kind == "all2all.checked":
+                oracles.all2all_checked(fields["pid"], fields["problem"])
             elif kind == "eplb.checked" and fields["count"]:
                 oracles.weights_checked(fields["pid"], fields["problems"] * fields["count"])
     for detail in waits:  # none left unless a record was lost

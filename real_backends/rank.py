@@ -10,6 +10,11 @@ Faults that exist in reality are done for real here: a dropped communicator held
 thread of its own (``gc.late``), put in a reference cycle for the next ``gc.collect()`` (``gc.cycle``), released on
 another thread (``gc.thread``) or kept until interpreter exit (``gc.never``); ``expert_buffer`` reallocated before
 PREPARE (``storage.move``); every agent restarted under its name (``peer.restart``).
+
+With an ``all2all`` DeepEP backend (a GPU and a DeepEP build) the rank runs vLLM's managers as the simulation's
+worker does (``sim/all2all.py``): a real ``deep_ep.Buffer`` per EP group, made at model load and at PREPARE under
+vLLM 0.33.0 (on the first forward step under pr-53947), one MoE forward through it per serving command, the old
+buffer dropped at COMMIT and the retired group's manager destroyed on ``elastic-cleanup@pid``.
 """
 
 from __future__ import annotations
@@ -192,6 +197,11 @@ class RealWorker:
         # has caught up, so that it is at most that far behind however fast the scaled steps below run.
         ahead = self.sc.serving.host_ahead_steps * self.sc.serving.step_time_s
         self._forward_work = _ForwardWork(ahead, device) if ahead > 0 and device.type == "cuda" else None
+        # The MoE all2all (all2all.backend != none), as the simulation's worker: the group's manager, the standby one
+        # PREPARE builds, the buffers the MoE layer and the staged kernels hold, the handle of the last dispatch.
+        self.a2a = self.prepared_a2a = self.a2a_buffer = self.prepared_a2a_buffer = None
+        self.a2a_process: Any = None
+        self.cleanup_thread: threading.Thread | None = None
 
     def history(self, kind: str, **fields: Any) -> None:
         self.link.emit(kind, pid=self.pid, **fields)
@@ -226,22 +236,70 @@ class RealWorker:
     def _build_first(self, standby: bool = False) -> None:
         self.comm = self.factory(self.group, self.weights, self.buffer, None)
         self.history("comm.create", gen=self.group_spec.name, prev=False)
+        self.a2a = self._manager(self.ep_group)
+        if self.a2a is not None and self._buffers_made_ahead():
+            self.a2a_buffer = self.a2a.get_handle()  # the model's load makes its MoE kernels, and with them the buffer
         if standby:
             self.link.send("prepared", self.pid)
 
     def _open_ep_group(self, spec):
-        """The generation's EP group (only async EPLB makes collectives on it), opened right after its EPLB group
-        by every member, so the two meshes pair up in the same order everywhere."""
+        """The generation's EP group (async EPLB's readiness collectives; the all2all buffer is built on it),
+        opened right after its EPLB group by every member, so the two meshes pair up in the same order everywhere."""
         from .groups import GroupSpec, open_group
 
-        if not self.sc.eplb.use_async:
+        if not self.sc.eplb.use_async and self.sc.all2all.backend == "none":
             return None
         return open_group(self.store, GroupSpec(f"{spec.name}/ep", spec.rank, spec.size), self.cfg.timeout_s)
+
+    # -- the MoE all2all (sim/worker.py's, over a real DeepEP) ---------------------------------------------------
+    def _buffers_made_ahead(self) -> bool:
+        """vLLM 0.33.0 makes a group's buffer with the MoE kernels (model load, PREPARE); pr-53947 on the group's
+        first forward step."""
+        return self.sc.lifecycle == "0.33.0"
+
+    def _manager(self, ep_group):
+        cfg = self.sc.all2all
+        if cfg.backend == "none":
+            return None
+        from sim.all2all import DeepEPAll2AllManager, ProcessState
+
+        if self.a2a_process is None:
+            self.a2a_process = ProcessState()
+        return DeepEPAll2AllManager(ep_group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
+                                    self.a2a_process)
+
+    def _forward(self) -> None:
+        """One MoE forward (dispatch, experts, combine) through the group's buffer, checked against the reference;
+        the first on a new group makes its buffer."""
+        import torch
+
+        from sim.all2all import forward
+        from sim.rng import derive_seed
+
+        buf = self.a2a_buffer = self.a2a.get_handle()
+        gen = torch.Generator().manual_seed(derive_seed(self.sc.seed, f"all2all@{self.pid}@{self.step}") % (1 << 63))
+        problem, _ = forward(buf, self.group.rank(), self.group.size(), gen, device=self.cfg.device)
+        self.history("all2all.checked", problem=problem)
+
+    def _switch_all2all(self) -> None:
+        """COMMIT: the new group's manager serves, the MoE layer drops its old buffer, and the retired group's manager
+        is destroyed on a background thread while the new group serves (vLLM's _start_group_cleanup)."""
+        retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
+        old_buf, self.a2a_buffer, self.prepared_a2a_buffer = self.a2a_buffer, self.prepared_a2a_buffer, None
+        if old_buf is not None:
+            self.drop(old_buf, "old all2all buffer")
+        del old_buf
+        self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired)
+
+    def _cleanup_all2all(self, manager) -> None:
+        self.history("all2all.cleanup", destroyed=manager.destroy())
 
     def do_serve(self, steps: int, loads) -> None:
         # Serving takes no time here, except while a rebalance is in flight: then each forward step (a hundredth of
         # the scenario's, as the real backend scales them, so that a test run stays short) ends with vLLM's
         # readiness all_reduce on the EP group, and every rank takes the staged layer once all have it.
+        if self.a2a is not None:
+            self._forward()
         step = self.sc.serving.step_time_s * 0.01
         done = 0
         while done < steps and self.rebalanced:
@@ -447,6 +505,9 @@ class RealWorker:
                 agent.restart()
             self.history("peer.restart", agents=[a.name for a in agents])
         comm = self.factory(group, self.weights, self.buffer, self.comm)
+        self.prepared_a2a = self._manager(ep_group)  # the standby manager
+        if self.prepared_a2a is not None and self._buffers_made_ahead():
+            self.prepared_a2a_buffer = self.prepared_a2a.get_handle()  # held by the staged kernels until COMMIT
         self.prepared = (comm, group, spec, ep_group)
         del comm
         self.history("comm.create", gen=spec.name, prev=True)
@@ -465,6 +526,8 @@ class RealWorker:
         self.history("comm.swap", gen=spec.name)
         self.drop(old, "old communicator")
         del old
+        if self.a2a is not None:
+            self._switch_all2all()
         if self.sc.lifecycle == "0.33.0":  # warm_and_capture releases the graphs again (sim/worker.py)
             self.history("gc.collect", reason="warm_and_capture")
             gc.collect()
@@ -490,6 +553,19 @@ class RealWorker:
         if comm is not None:
             self.drop(comm, "communicator at exit")
         del comm
+        if self.a2a is not None:  # shutdown destroys the groups (standby ones too), and with them their buffers
+            if self.cleanup_thread is not None:
+                self.cleanup_thread.join()  # a retired group's destroy still under way
+            managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
+            self.a2a = self.prepared_a2a = None
+            self.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
+            del managers
+            for name in ("a2a_buffer", "prepared_a2a_buffer"):
+                buf = getattr(self, name)
+                setattr(self, name, None)
+                if buf is not None:
+                    self.drop(buf, "all2all buffer at exit")
+                del buf
         for th in self.gc_threads:
             th.join()
         with self.release_lock:
@@ -537,6 +613,30 @@ class RealWorker:
             holder.clear()  # the last reference: the finalizer runs on this thread, now
 
 
+DEEP_EP_LEAK_WARNING = "destroy() was not called before DeepEP buffer destruction"
+
+
+def watch_deep_ep_warnings(link: Link, pid: int) -> None:
+    """DeepEP's destructor of a buffer made with ``explicitly_destroy=True`` and never destroyed prints a warning
+    with C's ``printf`` and returns (the buffer leaks).  That line is the only sign of it, so this process's file
+    descriptor 1 goes through a pipe: each such line becomes a ``deep_ep.leak`` event (the simulation's fake records
+    the same event where it prints the same warning); every line goes on to the real stdout."""
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as lines, os.fdopen(real_stdout, "wb", buffering=0) as out:
+            for line in lines:
+                if DEEP_EP_LEAK_WARNING.encode() in line:
+                    link.emit("deep_ep.leak", pid=pid, team="a buffer (DeepEP's warning names none)")
+                out.write(line)
+
+    threading.Thread(target=pump, name=f"stdout@{pid}", daemon=True).start()
+
+
 def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:
     try:  # the chain and the frames as data, as the simulation keeps them (sim/crash.py), for the verdict
         from sim.crash import describe
@@ -560,6 +660,8 @@ def rank_main(conn, cfg: RankConfig) -> None:
         from . import ledger
 
         ledger.install(link.emit, cfg.pid)
+        if cfg.scenario.get("all2all", {}).get("backend", "none") != "none":
+            watch_deep_ep_warnings(link, cfg.pid)
         worker = RealWorker(cfg, link)
     except BaseException as exc:  # noqa: BLE001 - a rank that cannot start is reported, not a traceback
         report_crash(link, cfg.pid, f"setup@{cfg.pid}", exc)

@@ -126,35 +126,39 @@ class ProcessState:
 
 
 def forward(buf: Any, rank: int, n: int, gen: torch.Generator, *, extra_dispatch: bool = False,
-            stale_handle: Any = None) -> tuple[str | None, Any]:
+            stale_handle: Any = None, device: str = "cpu") -> tuple[str | None, Any]:
     """One MoE layer's dispatch, local experts and combine through ``buf``: (a description of the first wrong token,
     or None when the result equals the single-process reference; the dispatch's handle).
 
     Faults: ``extra_dispatch`` runs one more low-latency dispatch first on this rank alone (a dummy batch: its
     double-buffer parity is then one ahead of its peers'); ``stale_handle`` is combined with instead of the new one
-    (a handle kept from before the EP size changed)."""
+    (a handle kept from before the EP size changed).  ``device``: where the buffer's tensors live (a real DeepEP's
+    GPU; the tokens are drawn on the host either way, so both worlds route the same ones)."""
     experts = EXPERTS_PER_RANK * n
     x = torch.randn(TOKENS, HIDDEN_LL if buf.low_latency_mode else HIDDEN, generator=gen).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(experts, generator=gen)[:TOPK] for _ in range(TOKENS)])
     w = torch.rand(TOKENS, TOPK, generator=gen)
+    xd, idxd, wd = x.to(device), idx.to(device), w.to(device)
     if buf.low_latency_mode:
         if extra_dispatch:
-            buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
-        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False)
+            buf.low_latency_dispatch(xd, idxd, MAX_TOKENS, experts, use_fp8=False)
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(xd, idxd, MAX_TOKENS, experts, use_fp8=False)
+        recv_x, count = recv_x.cpu(), count.cpu()
         y = torch.zeros_like(recv_x)
         for le in range(EXPERTS_PER_RANK):
             c = int(count[le])
             y[le, :c] = expert(rank * EXPERTS_PER_RANK + le, recv_x[le, :c].float()).to(y.dtype)
-        combined, _, _ = buf.low_latency_combine(y, idx, w, handle if stale_handle is None else stale_handle)
+        combined, _, _ = buf.low_latency_combine(y.to(device), idxd, wd,
+                                                 handle if stale_handle is None else stale_handle)
     else:
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxd, experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=w)
-        combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, rank, EXPERTS_PER_RANK),
-                                     handle if stale_handle is None else stale_handle)
+            xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idxd, topk_weights=wd)
+        y = local_experts(recv_x.cpu(), recv_idx.cpu(), recv_w.cpu(), rank, EXPERTS_PER_RANK)
+        combined, _, _ = buf.combine(y.to(device), handle if stale_handle is None else stale_handle)
     want = reference(x.float(), idx, w)
-    combined = combined.float()
+    combined = combined.float().cpu()
     if matches(combined, want):
         return None, handle
     t = int((combined - want).abs().sum(dim=1).argmax())

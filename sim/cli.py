@@ -103,7 +103,10 @@ def _conform_deep_ep(backend: str, module: str, as_json: bool) -> None:
         raise UnknownName(f"backend {backend!r} not known; use one of: fake, real")
     if backend == "real" and (why := deep_ep_probe.unavailable(module)):
         raise BackendUnavailable(why)
-    report = deep_ep_probe.run(backend, module)
+    def heard(c: dict) -> None:  # each case as it ends, on stderr: a real case takes seconds, a wedged one minutes
+        typer.echo(f"epsim: conform: {c['outcome']} {c['name']}", err=True)
+
+    report = deep_ep_probe.run(backend, module, on_case=heard if as_json else None)
     counts = {k: sum(c["outcome"] == k for c in report["cases"]) for k in ("pass", "fail")}
     if as_json:
         typer.echo(json.dumps(report))
@@ -263,6 +266,8 @@ def _validation_table(report) -> None:
     race = f"; the copy/READ race without injected lag explains {races} more" if races else ""
     console.print(f"{agree} of {len(report['cases'])} scenario cases agree{race} ({report['wall_s']} s); "
                   "disagreements are explained in docs/validation.md")
+    for row in report.get("skipped", ()):
+        console.print(f"skipped: {row['case']} ({escape(row['reason'])})")
 
 
 def _outcome(r) -> str:
@@ -290,7 +295,10 @@ def calibrate(
     require_real(device)
     if out is not None:
         _replaceable_calibration(out)
-    calibration = cal.measure(device, quick=quick)
+    def progress(step: str) -> None:  # on stderr: stdout holds the result (one JSON object with --json)
+        typer.echo(f"epsim: calibrate: {step} ...", err=True)
+
+    calibration = cal.measure(device, quick=quick, progress=progress)
     unwritten = None
     if out is not None:
         try:
@@ -300,7 +308,8 @@ def calibrate(
     report = {"calibration": calibration.model_dump()}
     if compare:
         report["comparison"] = cal.compare(calibration, device,
-                                           cases=cal.QUICK_COMPARISONS if quick else cal.COMPARISONS)
+                                           cases=cal.QUICK_COMPARISONS if quick else cal.COMPARISONS,
+                                           progress=progress)
     if as_json:
         typer.echo(json.dumps(report))
     else:

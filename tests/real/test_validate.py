@@ -81,7 +81,7 @@ def test_cases_for_one_device_run_only_there(monkeypatch):
     the host is in step with the GPU for every other case on VRAM (the agent lifecycle decides those)."""
     import real_backends.validate as validate
 
-    cuda_only = [c for c in CASES if c.device == "cuda"]
+    cuda_only = [c for c in CASES if c.device == "cuda" and not c.deep_ep]
     lagged = [c for c in cuda_only if c.faults]
     assert {c.strategy for c in lagged} == {"shared-agent", "per-communicator-agent"}
     assert all(c.faults == ("device.stream_lag:delay_s=0.01",) and not c.quick and c.in_step for c in lagged)
@@ -96,8 +96,20 @@ def test_cases_for_one_device_run_only_there(monkeypatch):
     validate.run_validation("cpu", catalogue=False)
     assert ran and not [c for c in ran if c.device is not None]
     ran.clear()
-    validate.run_validation("cuda", catalogue=False)
+    report = validate.run_validation("cuda", catalogue=False)
     assert [c for c in ran if c.device == "cuda"] == cuda_only
+    # The DeepEP cases need a build as well: without one (here) each is listed as skipped, with the reason.
+    deep_ep = [c.name for c in CASES if c.deep_ep]
+    assert deep_ep and [row["case"] for row in report["skipped"]] == deep_ep
+    assert all("DeepEP" in row["reason"] or "GPU" in row["reason"] for row in report["skipped"])
+
+
+def test_the_deep_ep_cases_are_what_one_gpu_holds():
+    """Intranode high throughput takes 2, 4 or 8 ranks; every DeepEP case stays on those sizes, in step on VRAM."""
+    for case in (c for c in CASES if c.deep_ep):
+        sc = case.load("cuda")
+        assert case.device == "cuda" and sc.all2all.backend == "deepep_high_throughput"
+        assert set(sc.ep_sizes()) <= {2, 4, 8} and not sc.serving.async_scheduling
 
 
 def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simulation(capsys):

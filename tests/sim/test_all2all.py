@@ -124,7 +124,7 @@ def test_bad_all2all_settings_are_one_line_errors():
     done = epsim("run", "scale-up", "--set", "all2all.backend=nccl")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "all2all.backend" in done.stderr
     done = epsim("run", "scale-up", "--set", "all2all.backend=deepep_low_latency", "--backend", "real")
-    assert done.returncode == 2 and "runs no all2all buffers yet" in done.stderr
+    assert done.returncode == 2 and "DeepEP's buffers live on GPUs; run it with --device cuda" in done.stderr
 
 
 
