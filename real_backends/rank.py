@@ -198,7 +198,7 @@ class RealWorker:
         ahead = self.sc.serving.host_ahead_steps * self.sc.serving.step_time_s
         self._forward_work = _ForwardWork(ahead, device) if ahead > 0 and device.type == "cuda" else None
         # The MoE all2all (all2all.backend != none), as the simulation's worker: the group's manager, the standby one
-        # PREPARE builds, the buffers the MoE layer and the staged kernels hold, the handle of the last dispatch.
+        # PREPARE builds, the buffers the MoE layer and the staged kernels hold, and the retired group's cleanup.
         self.a2a = self.prepared_a2a = self.a2a_buffer = self.prepared_a2a_buffer = None
         self.a2a_process: Any = None
         self.cleanup_thread: threading.Thread | None = None
