@@ -47,7 +47,9 @@ def _summary(name: str, f: dict[str, Any]) -> str:
 
 def run(quick: bool = False, only: list[str] | None = None,
         on_figure: Callable[[str, dict[str, Any], float], None] | None = None, device: str = "cpu") -> dict[str, Any]:
-    from . import kernel, simulation, sweeps, transfers
+    from real_backends import transfers
+
+    from . import kernel, simulation, sweeps
 
     figures: dict[str, Callable[[], Any]] = {
         "kernel_overhead": lambda: {str(n): kernel.measure(n, it, repeats=3 if quick else 5)

@@ -170,7 +170,7 @@ def _quiet(message: str) -> None:
 
 def measure(device: str = "cpu", quick: bool = False, progress: Callable[[str], None] = _quiet) -> Calibration:
     """The calibration of this host; ``progress`` hears each step as it starts (a full run takes minutes)."""
-    from benchmarks import transfers
+    from . import transfers
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # the helper processes' INFO lines would land on stdout
     how = QUICK if quick else FULL
@@ -221,7 +221,7 @@ def measure_loaded(plan: dict[str, Any], device: str = "cpu",
 
 def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, repeats: int = 5) -> float:
     """k READs of ``mib`` posted together by one process over k single READs (median times)."""
-    from benchmarks import concurrent_reads
+    from . import concurrent_reads
 
     return concurrent_reads.measure(device, k, (mib,), repeats)["sizes"][f"{mib:g}MiB"]["together_over_k_one"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from sim.cluster import fabric_record
+from sim.records import fabric_record
 from sim.oracles import Oracles, Problem
 from sim.trace import History
 

@@ -27,6 +27,7 @@ from .eplb.state import Placement
 from .gc import GcController
 from .kernel import Kernel
 from .oracles import Oracles
+from .records import XFER_KINDS, fabric_record, xfer_fields
 from .worker import Worker
 
 ENGINE_PID = -1  # the engine's simulated thread belongs to no rank: an exception there is epsim's own bug
@@ -46,9 +47,6 @@ class NominalTimeModel(TimeModel):
     def wire_seconds(self, nbytes: int) -> float:
         return nbytes * self._scale / self.bandwidth_Bps
 
-
-_HISTORY_FIELDS = ("agent", "pid", "peer", "op", "nbytes", "why", "sections")
-_XFER_KINDS = {"xfer.post": "nixl.xfer.post", "xfer.done": "nixl.xfer.done"}
 
 
 class Cluster(Engine):
@@ -147,7 +145,7 @@ class Cluster(Engine):
         if kind == "xfer.done":
             local, remote = req.spans
             self.oracles.transfer_moved(core.name, core.pid, req.op, req.nbytes, core.conn, local, target, remote)
-        self.kernel.history.add(_XFER_KINDS[kind], xfer_fields(core.name, core.pid, req.peer, req.op, req.nbytes))
+        self.kernel.history.add(XFER_KINDS[kind], xfer_fields(core.name, core.pid, req.peer, req.op, req.nbytes))
 
     def _deep_ep(self):
         """``import deep_ep`` gives the fake, with the scenario's NVSHMEM profile (only when an all2all is used)."""
@@ -358,30 +356,6 @@ class Cluster(Engine):
             return None
         return (f"the code under test received {self.recvs_planned} experts without one transfer through epsim's "
                 f"fake NIXL (did a module of it bind a real NIXL before the fakes were installed?); no verdict")
-
-
-def fabric_record(kind: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """The history record of a NIXL event (the fake's fabric events, or a real rank's ledger): its plain fields,
-    a registration's region count instead of its ranges; None for events the history leaves out."""
-    if kind == "memory.free":
-        return None
-    name = _XFER_KINDS.get(kind)
-    if name is not None:  # half the events of a run: their fields are known
-        return name, xfer_record(fields)
-    plain = {k: fields[k] for k in _HISTORY_FIELDS if k in fields}
-    if "ranges" in fields:
-        plain["regions"] = len(fields["ranges"])
-    return f"nixl.{kind}", plain
-
-
-def xfer_record(fields: dict[str, Any]) -> dict[str, Any]:
-    """The history fields of a transfer's post or completion, from its event's fields."""
-    return xfer_fields(fields["agent"], fields["pid"], fields["peer"], fields["op"], fields["nbytes"])
-
-
-def xfer_fields(agent: str, pid: int, peer: str, op: str, nbytes: int) -> dict[str, Any]:
-    """The history fields of a transfer's post or completion (the simulator reads them off the fake's request)."""
-    return {"agent": agent, "pid": pid, "peer": peer, "op": op, "nbytes": nbytes}
 
 
 def _frozen(mapping) -> Any:

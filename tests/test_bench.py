@@ -96,7 +96,7 @@ def test_each_broken_copy_fails_its_way(name, fault, expected) -> None:
 def test_a_nixl_peer_that_dies_is_one_error_not_a_reader_waiting_for_ever() -> None:
     """Found while timing calibration: the owner process died at start-up and the reader waited on the pipe for
     ever (this process still held the owner's end of it)."""
-    from benchmarks import transfers
+    from real_backends import transfers
     from real_backends.nixl_real import import_real_nixl
     from sim.errors import BackendUnavailable
     from tests.conftest import real_nixl_or_skip
@@ -112,7 +112,7 @@ def test_an_owner_whose_reader_gave_up_ends_quietly() -> None:
     returns instead of dying on a BrokenPipeError (which its process printed as a traceback)."""
     import multiprocessing as mp
 
-    from benchmarks import transfers
+    from real_backends import transfers
     from tests.conftest import real_nixl_or_skip
 
     package = real_nixl_or_skip()[2]
@@ -128,7 +128,7 @@ def test_a_reader_that_cannot_make_its_agent_leaves_no_owner_behind() -> None:
     import multiprocessing as mp
     from types import SimpleNamespace
 
-    from benchmarks import transfers
+    from real_backends import transfers
     from tests.conftest import real_nixl_or_skip
 
     package = real_nixl_or_skip()[2]

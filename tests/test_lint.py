@@ -20,3 +20,19 @@ def test_ruff_finds_nothing() -> None:
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "sim", "fakes", "real_backends", "benchmarks",
                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_product_does_not_import_the_benchmarks() -> None:
+    """benchmarks/ measures the product and may import it; the product (sim, fakes, real_backends) never imports
+    benchmarks/, which a wheel does not ship. The one exception is ``epsim bench``, the benchmarks' front door."""
+    import ast
+
+    offenders = []
+    for package in ("sim", "fakes", "real_backends"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(offenders) <= 1 and all(o.startswith("sim/cli.py:") for o in offenders), offenders

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 def test_vram_reads_move_the_bytes_and_are_measured() -> None:
     real_nixl_or_skip()
-    from benchmarks import transfers
+    from real_backends import transfers
 
     out = transfers.measure(sizes_mib=(1, 64), repeats=5, device="cuda")
     assert out["memory"] == "VRAM"

@@ -71,3 +71,13 @@ def test_plugin_and_cli_front_door_import_nothing_heavy() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_judging_a_real_run_imports_neither_torch_nor_the_simulated_workers() -> None:
+    """The real backend's judge replays a run's events through the oracles: it needs the history's record shapes
+    (sim/records.py), not the cluster that also builds workers and their tensors."""
+    code = ("import sys, real_backends.judge\n"
+            "print(','.join(sorted(m for m in ('torch', 'sim.cluster', 'sim.worker') if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
