@@ -24,7 +24,7 @@ def test_ruff_finds_nothing() -> None:
 
 def test_the_product_does_not_import_the_benchmarks() -> None:
     """benchmarks/ measures the product and may import it; the product (sim, fakes, real_backends) never imports
-    benchmarks/, which a wheel does not ship. The one exception is ``epsim bench``, the benchmarks' front door."""
+    the harness that measures it. The one exception is ``epsim bench``, the benchmarks' front door."""
     import ast
 
     offenders = []
