@@ -5,7 +5,8 @@ its worker process down (a segfault, ``os._exit``, the OOM killer) is a ``worker
 timeout is killed and is a ``timeout`` row, and the sweep goes on with a fresh worker in both cases.
 
 The local engine keeps its own long-lived worker processes instead of a ``concurrent.futures`` pool, whose every
-future fails once one worker dies.  Workers are started with ``spawn`` (torch and greenlet do not survive
+future fails once one worker dies (``loky`` likewise); ``pebble`` isolates a death but misses a worker that exits
+with status 0 and has no start-up limit, for the same throughput (docs/sweeps.md has the measurements).  Workers are started with ``spawn`` (torch and greenlet do not survive
 ``fork`` reliably) and import the simulator once; a worker whose parent dies sees its pipe close and exits.
 """
 
