@@ -7,8 +7,8 @@ AVAILABLE; NVSHMEM only for RDMA or LL (the intranode high-throughput path never
 ``explicitly_destroy``, is collective, finalizes NVSHMEM, and leaves ``runtime`` None so any later call raises
 ``AttributeError``; the destructor runs the collective destroy when the flag is off and only warns (LEAKED) when it is
 on; low-latency calls alternate two buffers, so every rank must issue the same sequence; ``clean_low_latency_buffer``
-is collective and required after high-throughput use before LL; a handle belongs to the buffer (and EP size) that
-made it.  A collective some rank never reaches fails the others as DeepEP does (:class:`DeepEPTimeout`).
+is collective and required after high-throughput use before LL; a handle is layout data that any buffer of the EP
+size that made it takes (DeepEP v1.2.1's sources).  A collective some rank never reaches fails the others as DeepEP does (:class:`DeepEPTimeout`).
 
 Experts are split contiguously: rank ``r`` holds experts ``[r*E/R, (r+1)*E/R)``.  Tokens arrive ordered by source
 rank, then token index (the real kernels' order is not specified; the counts and the combined result are).
@@ -154,7 +154,6 @@ class Buffer:
                 raise RuntimeError(f"Failed: Assertion error csrc/deep_ep.cpp: '{cond}' (group of {n} ranks, "
                                    f"num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes})")
         self._ll_parity = 0
-        self._ll_uses = 0
         self._needs_clean = False
         self._nvshmem: _nvshmem.World | None = None
         self._nvshmem_size: int | None = None
@@ -388,12 +387,11 @@ class Buffer:
         _assert(need <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes",
                 f"the layout needs {need} bytes, the buffer has {self.num_rdma_bytes}")
 
-    def _ll_turn(self, what: str, async_finish: bool, return_recv_hook: bool, hidden: int) -> tuple[int, int]:
+    def _ll_turn(self, what: str, async_finish: bool, return_recv_hook: bool, hidden: int) -> int:
         """Flip the parity, then the assertions DeepEP makes after the flip (a refused call has flipped it too), and
         the stale flags of high-throughput use."""
-        parity, use = self._ll_parity, self._ll_uses
+        parity = self._ll_parity
         self._ll_parity ^= 1
-        self._ll_uses += 1
         _no_async_with_hook(async_finish, return_recv_hook)
         _assert(hidden in LL_HIDDEN_SIZES, 'false and "Unsupported hidden"',
                 f"hidden {hidden}; the kernels are built for {sorted(LL_HIDDEN_SIZES)}")
@@ -403,7 +401,7 @@ class Buffer:
             self.state = POISONED
             raise DeepEPTimeout(f"device barrier trapped (sticky CUDA error): {what} found flags of high-throughput "
                                 "use; clean_low_latency_buffer was not called", [])
-        return parity, use
+        return parity
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Any = None,
@@ -418,7 +416,7 @@ class Buffer:
         _assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64", str(topk_idx.dtype))
         _assert(x.shape[0] <= num_max_dispatch_tokens_per_rank, "x.size(0) <= num_max_dispatch_tokens_per_rank",
                 f"{x.shape[0]} tokens > {num_max_dispatch_tokens_per_rank}")
-        parity, use = self._ll_turn("low_latency_dispatch", async_finish, return_recv_hook, int(x.shape[1]))
+        parity = self._ll_turn("low_latency_dispatch", async_finish, return_recv_hook, int(x.shape[1]))
         ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
         per = num_experts // ranks
         mine = (x.detach().clone(), topk_idx.clone())
@@ -470,7 +468,7 @@ class Buffer:
                 f"x is {list(x.shape)}")
         _assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32",
                 str(topk_weights.dtype))
-        parity, _ = self._ll_turn("low_latency_combine", async_finish, return_recv_hook, int(x.shape[2]))
+        parity = self._ll_turn("low_latency_combine", async_finish, return_recv_hook, int(x.shape[2]))
         mine = (x.detach().clone(), handle.layout)
         ranks = self.group_size
         num_tokens, weights, idx = handle.num_tokens, topk_weights.clone(), topk_idx.clone()
