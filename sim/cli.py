@@ -103,6 +103,7 @@ def _conform_deep_ep(backend: str, module: str, as_json: bool) -> None:
         raise UnknownName(f"backend {backend!r} not known; use one of: fake, real")
     if backend == "real" and (why := deep_ep_probe.unavailable(module)):
         raise BackendUnavailable(why)
+
     def heard(c: dict) -> None:  # each case as it ends, on stderr: a real case takes seconds, a wedged one minutes
         typer.echo(f"epsim: conform: {c['outcome']} {c['name']}", err=True)
 
@@ -295,6 +296,7 @@ def calibrate(
     require_real(device)
     if out is not None:
         _replaceable_calibration(out)
+
     def progress(step: str) -> None:  # on stderr: stdout holds the result (one JSON object with --json)
         typer.echo(f"epsim: calibrate: {step} ...", err=True)
 

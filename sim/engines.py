@@ -6,8 +6,9 @@ timeout is killed and is a ``timeout`` row, and the sweep goes on with a fresh w
 
 The local engine keeps its own long-lived worker processes instead of a ``concurrent.futures`` pool, whose every
 future fails once one worker dies (``loky`` likewise); ``pebble`` isolates a death but misses a worker that exits
-with status 0 and has no start-up limit, for the same throughput (docs/sweeps.md has the measurements).  Workers are started with ``spawn`` (torch and greenlet do not survive
-``fork`` reliably) and import the simulator once; a worker whose parent dies sees its pipe close and exits.
+with status 0 and has no start-up limit, for the same throughput (docs/sweeps.md has the measurements).  Workers
+are started with ``spawn`` (torch and greenlet do not survive ``fork`` reliably) and import the simulator once; a
+worker whose parent dies sees its pipe close and exits.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ AVAILABLE; NVSHMEM only for RDMA or LL (the intranode high-throughput path never
 ``AttributeError``; the destructor runs the collective destroy when the flag is off and only warns (LEAKED) when it is
 on; low-latency calls alternate two buffers, so every rank must issue the same sequence; ``clean_low_latency_buffer``
 is collective and required after high-throughput use before LL; a handle is layout data that any buffer of the EP
-size that made it takes (DeepEP v1.2.1's sources).  A collective some rank never reaches fails the others as DeepEP does (:class:`DeepEPTimeout`).
+size that made it takes (DeepEP v1.2.1's sources).  A collective some rank never reaches fails the others as DeepEP
+does (:class:`DeepEPTimeout`).
 
 Experts are split contiguously: rank ``r`` holds experts ``[r*E/R, (r+1)*E/R)``.  Tokens arrive ordered by source
 rank, then token index (the real kernels' order is not specified; the counts and the combined result are).
