@@ -5,8 +5,12 @@ themselves (real buffers on VRAM) are validate's DeepEP cases, in the gated GPU 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from real_backends.judge import judge
 from real_backends.rank import DEEP_EP_LEAK_WARNING
@@ -72,3 +76,33 @@ def test_deep_ep_s_printf_warning_becomes_an_event_and_still_reaches_stdout(tmp_
     assert done and got == [("deep_ep.leak", {"pid": 7, "team": "a buffer (DeepEP's warning names none)"})]
     out = stdout.read_text()
     assert "something else" in out and "and python's own line" in out and DEEP_EP_LEAK_WARNING in out
+
+
+HOST_DOUBLE = Path(__file__).resolve().parent / "host_deep_ep"
+
+
+@pytest.mark.parametrize("scenario, sizes", [("scale-up", {"timeline.0.to": 4, "max_ranks": 4}),
+                                             ("scale-down", {"ranks": 4, "timeline.0.to": 2})])
+def test_the_real_rank_runs_vllm_s_managers_as_the_simulated_worker_does(scenario, sizes, monkeypatch):
+    """The real rank's all2all lifecycle on CPU, over a ``deep_ep`` double whose collectives are gloo calls
+    (tests/real/host_deep_ep): buffers made at load and at PREPARE, a forward through them at every serving command
+    (right, or the run would fail `all2all`), the old buffer dropped at COMMIT, its manager destroyed on the cleanup
+    thread while departing ranks destroy theirs at exit (collectives that pair, or the run would hang). The verdict
+    is the simulation's: vLLM 0.33.0's MoE layer held the only strong reference to the old buffer, so dropping it
+    leaks (DeepEP's warning, read off the rank's stdout)."""
+    from real_backends import cluster
+    from real_backends.run import run_real
+    from sim import scenario as scenario_mod
+    from sim.run import run_scenario
+
+    monkeypatch.setattr(cluster, "check_real_all2all", lambda sc, device: None)  # the double runs on host memory
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HOST_DOUBLE), os.environ.get("PYTHONPATH"))
+                                                     if p))
+    sc = scenario_mod.with_overrides(scenario_mod.load(scenario), **sizes,
+                                     **{"all2all.backend": "deepep_high_throughput"})
+    strategy = "per-communicator-agent"
+    real = run_real(sc, strategy=strategy, timeout_s=120)
+    sim = run_scenario(sc, strategy=strategy, profile="dram")
+    assert (real.verdict, real.invariant) == (sim.verdict, sim.invariant) == ("safety", "leak"), (real.detail,
+                                                                                                sim.detail)
+    assert "DeepEP buffer" in real.detail and "destroy()" in real.detail
