@@ -33,7 +33,7 @@ from .errors import ScenarioError
 from .errors import one_line as _one_line
 
 __all__ = [
-    "ModelShape", "EplbConfig", "ServingConfig", "Event", "FaultSpec", "Scenario",
+    "ModelConfig", "EplbConfig", "ServingConfig", "Event", "FaultSpec", "Scenario",
     "load", "from_dict", "builtin_names", "builtin_dir", "with_overrides", "to_yaml", "dump",
 ]
 
@@ -84,7 +84,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=False, allow_inf_nan=False)
 
 
-class ModelShape(_Strict):
+class ModelConfig(_Strict):
     """The MoE model as the simulation sees it: small real tensors, nominal sizes for the time model."""
 
     # Upper bounds far above any model served today; beyond them a run would exhaust memory or never end.
@@ -110,7 +110,7 @@ class ModelShape(_Strict):
         return -(-self.experts // self.local_experts)
 
     @model_validator(mode="after")
-    def _groups_split(self) -> "ModelShape":
+    def _groups_split(self) -> "ModelConfig":
         if self.experts % self.expert_groups:
             raise _Problem("expert_groups", f"{self.expert_groups} does not divide experts = {self.experts}")
         return self
@@ -232,7 +232,7 @@ class Scenario(_Strict):
     max_ranks: Union[int, None] = Field(None, ge=1, le=MAX_RANKS, description="the EP size never exceeds this")
     gpus_per_node: int = Field(8, ge=1, le=MAX_RANKS,
                                description="ranks per node, filled in rank order; EPLB's policy counts nodes")
-    model: ModelShape
+    model: ModelConfig
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     all2all: All2AllConfig = Field(default_factory=All2AllConfig)
