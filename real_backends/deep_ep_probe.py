@@ -78,28 +78,20 @@ def _python_stdout() -> Iterator[list[str]]:
 
 def _run_fake(name: str) -> list:
     from fakes import deep_ep
-    from fakes.torch_dist import Rendezvous
-    from sim.kernel import Kernel
+    from sim.ranks import SimulatedRanks
 
     c = CASES[name]
-    kernel = Kernel(0)
-    deep_ep.configure(kernel, "stock")
-    groups = Rendezvous(kernel, "ep", list(range(c.ranks))).groups()
-    observed: list = [None] * c.ranks
+    ranks = SimulatedRanks(c.ranks)
+    kernel = ranks.kernel
 
-    def rank_main(group: Any) -> None:
-        ctx = Ctx(deep_ep.Buffer, group, group.rank(), c.ranks, "cpu", lambda s: kernel.sleep(s, "a late rank"),
-                  kernel.now, _python_stdout)
-        try:
-            observed[group.rank()] = c.fn(ctx)
-        except BaseException as exc:  # noqa: BLE001 - an unexpected raise is the observation
-            observed[group.rank()] = _failure(exc)
+    def on_rank(group: Any) -> Any:
+        return c.fn(Ctx(deep_ep.Buffer, group, group.rank(), c.ranks, "cpu", lambda s: kernel.sleep(s, "a late rank"),
+                        kernel.now, _python_stdout))
 
     with deep_ep.installed():
-        for g in groups:
-            kernel.spawn(f"rank{g.rank()}", rank_main, g, pid=g.rank())
-        kernel.run()
-    return observed
+        observed = ranks.run(on_rank)
+    # an unexpected raise is the observation
+    return [_failure(o) if isinstance(o, BaseException) else o for o in observed]
 
 
 # -- a real DeepEP: one process per rank ---------------------------------------------------------------------------

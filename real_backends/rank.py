@@ -258,15 +258,9 @@ class RealWorker:
         return self.sc.lifecycle == "0.33.0"
 
     def _manager(self, ep_group):
-        cfg = self.sc.all2all
-        if cfg.backend == "none":
-            return None
-        from sim.all2all import DeepEPAll2AllManager, ProcessState
+        from sim.all2all import manager_for
 
-        if self.a2a_process is None:
-            self.a2a_process = ProcessState()
-        return DeepEPAll2AllManager(ep_group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
-                                    self.a2a_process)
+        return manager_for(self.sc.all2all, ep_group, self)
 
     def _forward(self) -> None:
         """One MoE forward (dispatch, experts, combine) through the group's buffer, checked against the reference;
@@ -284,12 +278,10 @@ class RealWorker:
     def _switch_all2all(self) -> None:
         """COMMIT: the new group's manager serves, the MoE layer drops its old buffer, and the retired group's manager
         is destroyed on a background thread while the new group serves (vLLM's _start_group_cleanup)."""
-        retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
-        old_buf, self.a2a_buffer, self.prepared_a2a_buffer = self.a2a_buffer, self.prepared_a2a_buffer, None
-        if old_buf is not None:
-            self.drop(old_buf, "old all2all buffer")
-        del old_buf
-        self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired)
+        from sim.all2all import switch
+
+        self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all,
+                                              switch(self, self.drop))
 
     def _cleanup_all2all(self, manager) -> None:
         self.history("all2all.cleanup", destroyed=manager.destroy())
@@ -553,19 +545,12 @@ class RealWorker:
         if comm is not None:
             self.drop(comm, "communicator at exit")
         del comm
-        if self.a2a is not None:  # shutdown destroys the groups (standby ones too), and with them their buffers
+        if self.a2a is not None:
+            from sim.all2all import shut_down
+
             if self.cleanup_thread is not None:
                 self.cleanup_thread.join()  # a retired group's destroy still under way
-            managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
-            self.a2a = self.prepared_a2a = None
-            self.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
-            del managers
-            for name in ("a2a_buffer", "prepared_a2a_buffer"):
-                buf = getattr(self, name)
-                setattr(self, name, None)
-                if buf is not None:
-                    self.drop(buf, "all2all buffer at exit")
-                del buf
+            shut_down(self, self.drop)
         for th in self.gc_threads:
             th.join()
         with self.release_lock:

@@ -20,9 +20,11 @@ combine kernels are built for bf16 alone), and for low latency a hidden size its
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from fakes.deep_ep.reference import expert, local_experts, matches, reference
 
 HIDDEN = 128  # high throughput: any row of whole 16-byte units
 HIDDEN_LL = 2048  # low latency: the smallest size the kernels are built for
@@ -30,46 +32,6 @@ TOKENS = 4
 TOPK = 2
 MAX_TOKENS = 8  # num_max_dispatch_tokens_per_rank of the low-latency path
 EXPERTS_PER_RANK = 2
-
-
-def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` of the check: an affine map that differs per expert, so a token sent to the wrong one shows."""
-    return x * (e + 1) + e
-
-
-def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The MoE layer in one process: each token through its top-k experts, weighted (-1: an unused slot)."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            e = int(idx[t, k])
-            if e >= 0:
-                out[t] += w[t, k] * expert(e, x[t])
-    return out
-
-
-def local_experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int,
-                  per: int) -> torch.Tensor:
-    """One rank's share after a high-throughput dispatch: each received token through its local experts,
-    weighted (recv_idx holds local expert ids, -1 for experts elsewhere); summed in float32, returned in the rows'
-    dtype, as an expert kernel accumulates."""
-    y = torch.zeros(recv_x.shape, dtype=torch.float32)
-    for i in range(recv_x.shape[0]):
-        for k in range(recv_idx.shape[1]):
-            le = int(recv_idx[i, k])
-            if le >= 0:
-                y[i] += recv_w[i, k] * expert(rank * per + le, recv_x[i].float())
-    return y.to(recv_x.dtype)
-
-
-def matches(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """``got`` (bf16 rows moved and summed by DeepEP) equals the float32 reference to bf16 precision: each element
-    within 2% of its row's largest value (an expert's output is rounded at its own magnitude before the sum)."""
-    got = got.detach().float().cpu()
-    if got.shape != want.shape:
-        return False
-    scale = want.abs().amax(dim=-1, keepdim=True)
-    return bool(((got - want).abs() <= 0.02 * scale + 0.05).all())
 
 
 class DeepEPAll2AllManager:
@@ -123,6 +85,44 @@ class ProcessState:
 
     def __init__(self) -> None:
         self.ll_buffer: Any = None
+
+
+def manager_for(cfg: Any, group: Any, worker: Any) -> DeepEPAll2AllManager | None:
+    """The manager a worker (simulated or real) makes for ``group``'s generation, None without an all2all backend;
+    ``worker.a2a_process`` (vLLM's per-process state) is made on first use."""
+    if cfg.backend == "none":
+        return None
+    if worker.a2a_process is None:
+        worker.a2a_process = ProcessState()
+    return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
+                                worker.a2a_process)
+
+
+def switch(worker: Any, drop: Callable[[Any, str], None]) -> DeepEPAll2AllManager:
+    """COMMIT (vLLM's ``_commit_staged_moe_quant_methods``): the new group's manager serves from now on, the staged
+    kernels and the buffer they hold replace the MoE layer's, whose old buffer is dropped (``drop(obj, what)``; the
+    last reference goes right after it); returns the retired manager."""
+    retired, worker.a2a, worker.prepared_a2a = worker.a2a, worker.prepared_a2a, None
+    old_buf, worker.a2a_buffer, worker.prepared_a2a_buffer = worker.a2a_buffer, worker.prepared_a2a_buffer, None
+    if old_buf is not None:
+        drop(old_buf, "old all2all buffer")
+    del old_buf
+    return retired
+
+
+def shut_down(worker: Any, drop: Callable[[Any, str], None]) -> None:
+    """Shutdown destroys the groups (standby ones too), and with them their buffers; then the buffers the MoE layer
+    and the staged kernels held are dropped."""
+    managers = [m for m in (worker.a2a, worker.prepared_a2a) if m is not None]
+    worker.a2a = worker.prepared_a2a = None
+    worker.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
+    del managers
+    for name in ("a2a_buffer", "prepared_a2a_buffer"):
+        buf = getattr(worker, name)
+        setattr(worker, name, None)
+        if buf is not None:
+            drop(buf, "all2all buffer at exit")
+        del buf
 
 
 def forward(buf: Any, rank: int, n: int, gen: torch.Generator, *, extra_dispatch: bool = False,

@@ -119,6 +119,10 @@ class Worker:
     def history(self, kind: str, **fields: Any) -> None:
         self.kernel.history.record(kind, pid=self.pid, **fields)
 
+    def _drop(self, obj: Any, what: str) -> None:
+        """``obj`` just lost its owner's reference (the GC controller decides how it goes); the caller's name next."""
+        self.cluster.gc.drop(self.pid, obj, what)
+
     # -- commands -----------------------------------------------------------------------------------------------
     def do_start(self, standby: bool = False) -> Any:
         """Start-up: the first communicator, with no predecessor.  ``standby``: a rank joining a scale-up, whose
@@ -158,16 +162,9 @@ class Worker:
         """The all2all manager of ``group``'s generation, on its EP group: vLLM builds the DeepEP buffer on the EP
         group's ``cpu_group``, not on the EPLB group the communicator uses, so the buffer's collectives (made at a
         forward step on the main thread) never pair with the async EPLB thread's on the EPLB group."""
-        cfg = self.cluster.scenario.all2all
-        if cfg.backend == "none":
-            return None
-        from .all2all import DeepEPAll2AllManager, ProcessState
+        from .all2all import manager_for
 
-        group = _ep_group_of(group)
-        if self.a2a_process is None:
-            self.a2a_process = ProcessState()
-        return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
-                                    self.a2a_process)
+        return manager_for(self.cluster.scenario.all2all, _ep_group_of(group), self)
 
     def do_serve(self, steps: int, loads: np.ndarray) -> None:
         """``steps`` forward steps: they take simulated time and add this rank's share of the expert load; with an
@@ -455,15 +452,10 @@ class Worker:
             self._start_group_cleanup(retired)
 
     def _switch_all2all(self) -> Any:
-        """The new group's manager serves from now on and the MoE layer drops its old buffer (vLLM's
-        ``_commit_staged_moe_quant_methods``); returns the retired manager."""
-        retired, self.a2a, self.prepared_a2a = self.a2a, self.prepared_a2a, None
-        # (_commit_staged_moe_quant_methods: the staged kernels, and the buffer they hold, replace the MoE layer's)
-        old_buf, self.a2a_buffer, self.prepared_a2a_buffer = self.a2a_buffer, self.prepared_a2a_buffer, None
-        if old_buf is not None:
-            self.cluster.gc.drop(self.pid, old_buf, "old all2all buffer")
-        del old_buf
-        return retired
+        """The new group's manager serves from now on and the MoE layer drops its old buffer; the retired manager."""
+        from .all2all import switch
+
+        return switch(self, self._drop)
 
     def _start_group_cleanup(self, retired) -> None:
         """The retired group's manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while
@@ -502,17 +494,10 @@ class Worker:
         if comm is not None:
             self.cluster.gc.drop(self.pid, comm, "communicator at exit")
         del comm
-        if self.a2a is not None:  # shutdown destroys the groups (standby ones too), and with them their buffers
-            managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
-            self.a2a = self.prepared_a2a = None
-            self.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
-            del managers
-            for name in ("a2a_buffer", "prepared_a2a_buffer"):
-                buf = getattr(self, name)
-                setattr(self, name, None)
-                if buf is not None:
-                    self.cluster.gc.drop(self.pid, buf, "all2all buffer at exit")
-                del buf
+        if self.a2a is not None:
+            from .all2all import shut_down
+
+            shut_down(self, self._drop)
         # The interpreter's last collections at exit, as a real process's (and the real backend's rank) run them:
         # a communicator a gc.cycle fault put in a cycle is finalized here, not lost with the process.
         self.cluster.gc.collect(f"exit@{self.pid}", self.pid)

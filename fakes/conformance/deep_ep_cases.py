@@ -19,6 +19,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
+from fakes.deep_ep.reference import expert, local_experts, matches, reference
+
 from .catalogue import plain
 
 # The hidden sizes DeepEP's low-latency kernels are compiled for (SWITCH_HIDDEN in csrc/kernels/launch.cuh).
@@ -77,8 +81,6 @@ def judge(name: str, observed: list) -> dict[str, Any]:
 # -- the MoE layer every case routes, and its single-process reference ------------------------------------------
 def _inputs(ctx: Ctx, experts: int, hidden: int, tokens: int = 8, topk: int = 2, seed: int = 0):
     """Every rank's tokens, top-k ids (int64) and weights (float32), the same on every rank (seeded)."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16) for _ in range(ctx.n)]
     idxs = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]) for _ in range(ctx.n)]
@@ -86,36 +88,10 @@ def _inputs(ctx: Ctx, experts: int, hidden: int, tokens: int = 8, topk: int = 2,
     return xs, idxs, ws
 
 
-def _expert(e: int, x):
-    """Expert ``e``: an affine map that differs per expert, so a token at the wrong expert shows."""
-    return x * (e + 1) + e
-
-
-def _reference(x, idx, w):
-    import torch
-
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            if int(idx[t, k]) >= 0:
-                out[t] += w[t, k] * _expert(int(idx[t, k]), x[t].float())
-    return out
-
-
-def _close(got, want) -> bool:
-    """Equal to bf16 precision (the kernels move and sum bf16 rows): each element within 2% of its row's largest."""
-    got = got.detach().float().cpu()
-    if got.shape != want.shape:
-        return False
-    return bool(((got - want).abs() <= 0.02 * want.abs().amax(dim=-1, keepdim=True) + 0.05).all())
-
-
 def _ht_round(ctx: Ctx, buf: Any, experts: int = 0, hidden: int = 256, seed: int = 0,
               handle_from: Any = None) -> dict[str, bool]:
     """One high-throughput dispatch, each rank's experts, and combine (on ``handle_from``'s handle when given: a
     dispatch there, the combine on ``buf``): what matched the reference."""
-    import torch
-
     experts = experts or 2 * ctx.n
     per = experts // ctx.n
     xs, idxs, ws = _inputs(ctx, experts, hidden, seed=seed)
@@ -125,18 +101,12 @@ def _ht_round(ctx: Ctx, buf: Any, experts: int = 0, hidden: int = 256, seed: int
     recv_x, recv_idx, recv_w, counts, handle, _ = via.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=idx, topk_weights=w)
-    y = torch.zeros(recv_x.shape, dtype=torch.float32)
-    rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
-    for i in range(rx.shape[0]):
-        for k in range(ri.shape[1]):
-            le = int(ri[i, k])
-            if le >= 0:
-                y[i] += rw[i, k] * _expert(ctx.rank * per + le, rx[i])
-    combined, _, _ = buf.combine(y.to(torch.bfloat16).to(ctx.device), handle)
+    y = local_experts(recv_x.cpu(), recv_idx.cpu(), recv_w.cpu(), ctx.rank, per)
+    combined, _, _ = buf.combine(y.to(ctx.device), handle)
     mine = range(ctx.rank * per, (ctx.rank + 1) * per)
     want_counts = [sum(int((i == e).sum()) for i in idxs) for e in mine]
     want_received = sum(int(any(int(e) in mine for e in row)) for i in idxs for row in i)
-    return {"combined": _close(combined, _reference(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])),
+    return {"combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
             "counts": [int(c) for c in counts] == want_counts, "received": int(recv_x.shape[0]) == want_received}
 
 
@@ -160,8 +130,6 @@ def _ll(ctx: Ctx, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, r
 def _ll_round(ctx: Ctx, buf: Any, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, seed: int = 0,
               hook: bool = False) -> dict[str, bool]:
     """One low-latency dispatch (bf16), each rank's experts on the packed rows, and combine: what matched."""
-    import torch
-
     per = experts // ctx.n
     xs, idxs, ws = _inputs(ctx, experts, hidden, seed=seed)
     x, idx, w = (t.to(ctx.device) for t in (xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank]))
@@ -173,14 +141,14 @@ def _ll_round(ctx: Ctx, buf: Any, experts: int, max_tokens: int = 16, hidden: in
     rx = recv_x.float().cpu()
     y = torch.zeros(rx.shape, dtype=torch.float32)
     for le in range(per):
-        y[le, :counts[le]] = _expert(ctx.rank * per + le, rx[le, :counts[le]])
+        y[le, :counts[le]] = expert(ctx.rank * per + le, rx[le, :counts[le]])
     combined, _, combine_hook = buf.low_latency_combine(y.to(torch.bfloat16).to(ctx.device), idx, w, handle,
                                                         return_recv_hook=hook)
     if hook:
         combine_hook()
     mine = range(ctx.rank * per, (ctx.rank + 1) * per)
     want_counts = [sum(int((i == e).sum()) for i in idxs) for e in mine]
-    return {"combined": _close(combined, _reference(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])),
+    return {"combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
             "counts": counts == want_counts}
 
 
@@ -266,8 +234,6 @@ def destroy_asserts_the_flag(ctx: Ctx):
 @case(["AttributeError", "AttributeError", "AttributeError"], ranks=2)
 def calls_after_destroy(ctx: Ctx):
     """After ``destroy()`` the runtime is None: a layout, a dispatch and a second destroy raise AttributeError."""
-    import torch
-
     buf = _ht(ctx, explicitly_destroy=True)
     buf.destroy()
     idx = torch.zeros(1, 1, dtype=torch.int64, device=ctx.device)
@@ -315,8 +281,6 @@ def constructor_asserts(ctx: Ctx):
 def one_rank_high_throughput(ctx: Ctx):
     """An intranode buffer of one rank is made, but its dispatch without a ``config`` asserts (no recommended config
     for one rank), and a low-latency call on it asserts ``low_latency_mode``."""
-    import torch
-
     buf = _ht(ctx, explicitly_destroy=True)
     idx = torch.zeros(2, 1, dtype=torch.int64, device=ctx.device)
     x = torch.zeros(2, 256, dtype=torch.bfloat16, device=ctx.device)
@@ -394,8 +358,6 @@ def ll_clean_then_dispatch(ctx: Ctx):
 def ll_combine_with_an_older_handle(ctx: Ctx):
     """A low-latency handle is plain tensors and sizes: after two more dispatches (both halves of the double buffer
     used again), combining with the first dispatch's handle and rows still gives the right result."""
-    import torch
-
     xs, idxs, ws = _inputs(ctx, 2, HIDDEN_LL)
     x, idx, w = xs[0].to(ctx.device), idxs[0].to(ctx.device), ws[0].to(ctx.device)
     buf = _ll(ctx, experts=2)
@@ -406,10 +368,10 @@ def ll_combine_with_an_older_handle(ctx: Ctx):
     rx = recv_x.float().cpu()
     y = torch.zeros(rx.shape, dtype=torch.float32)
     for e in range(2):
-        y[e, :counts[e]] = _expert(e, rx[e, :counts[e]])
+        y[e, :counts[e]] = expert(e, rx[e, :counts[e]])
     try:
         combined, _, _ = buf.low_latency_combine(y.to(torch.bfloat16).to(ctx.device), idx, w, handle)
-        out: Any = _close(combined, _reference(xs[0], idxs[0], ws[0]))
+        out: Any = matches(combined, reference(xs[0].float(), idxs[0], ws[0]))
     except Exception as exc:  # noqa: BLE001 - a refusal is the observation
         out = type(exc).__name__
     buf.destroy()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fakes import deep_ep
-from sim.pytest_plugin import SimulatedRanks
+from sim.ranks import SimulatedRanks
 from sim.all2all import expert, local_experts, matches, reference
 
 HIDDEN = 2048  # a size DeepEP's low-latency kernels are built for
