@@ -35,7 +35,7 @@ class _Shared:
 
 
 def _desc_keys(descs: Any) -> list[tuple[int, int, int]]:
-    return [tuple(int(x) for x in descs[i][:3]) for i in range(descs.descCount())]
+    return [(int(descs[i][0]), int(descs[i][1]), int(descs[i][2])) for i in range(descs.descCount())]
 
 
 class CarefulSharedAgent(SharedAgentNixlCommunicator):

@@ -88,9 +88,9 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
         for name in order:
             seconds[name] += n / arms[name]()
     plain, one, two = (2 * n / seconds[name] for name in arms)
-    out = {"runs": n, "passes": 2, "plain_runs_per_s": round(plain, 2), "local1_runs_per_s": round(one, 2),
-           "local2_runs_per_s": round(two, 2), "overhead": round(1 - one / plain, 3),
-           "parallel_efficiency": round(two / (2 * one), 3)}
+    out: dict[str, Any] = {"runs": n, "passes": 2, "plain_runs_per_s": round(plain, 2),
+                           "local1_runs_per_s": round(one, 2), "local2_runs_per_s": round(two, 2),
+                           "overhead": round(1 - one / plain, 3), "parallel_efficiency": round(two / (2 * one), 3)}
     if not ray:
         return out
     try:

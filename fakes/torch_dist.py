@@ -92,14 +92,14 @@ def _copier(value: Any) -> Callable[[], Any]:
         if t is list:
             if all(map(_shareable, v)):
                 return v.copy
-            parts = [build(x) for x in v]
+            parts: list[Any] = [build(x) for x in v]
             return None if None in parts else (lambda: [p() for p in parts])
         if not all(map(_shareable, v)):  # keys
             return None
         if all(map(_shareable, v.values())):
             return v.copy
-        parts = [(k, build(x)) for k, x in v.items()]
-        return None if any(p is None for _, p in parts) else (lambda: {k: p() for k, p in parts})
+        items: list[tuple[Any, Any]] = [(k, build(x)) for k, x in v.items()]
+        return None if any(p is None for _, p in items) else (lambda: {k: p() for k, p in items})
 
     made = build(value)
     if made is None:
@@ -488,14 +488,19 @@ def all_reduce(tensor, op=None, group=None, async_op: bool = False):
     # The result lands in the rank's tensor once, when the collective completes, waited for or not (as gloo's
     # does); whichever comes first, the completion or the caller's wait, copies it (cast to the tensor's dtype), so
     # the other never overwrites what the caller wrote since.
-    rank, landed = g.rank(), []
+    rank = g.rank()
+    landed: list[bool] = []
 
     def land(result) -> None:
         if not landed:
             landed.append(True)
             tensor.copy_(result)
 
-    op_.done.callbacks.append(lambda ev: ev.value is not None and land(ev.value[rank]))
+    def on_done(ev) -> None:
+        if ev.value is not None:
+            land(ev.value[rank])
+
+    op_.done.callbacks.append(on_done)
     work = _Work(g, op_, True, land)
     if async_op:
         return work
@@ -523,7 +528,7 @@ def installed() -> Iterator[None]:
             return fake(*args, **kwargs) if isinstance(group, FakeProcessGroup) else real(*args, **kwargs)
 
         call.__name__ = name
-        call.__wrapped__ = real
+        call.__wrapped__ = real  # type: ignore[attr-defined]  # what it dispatches to off the fake groups
         return call
 
     for name in _FUNCTIONS:

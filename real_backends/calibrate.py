@@ -149,14 +149,16 @@ def measure_process_start(repeats: int = 3) -> float:
 # What each measurement takes: in full, and with ``--quick`` (a smoke test of the whole path, as CI and a GPU job's
 # first minute want it: about half the time on a 2-core machine, too few samples to trust the numbers).
 KIB = 1 << 10
-FULL = {"sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
-        "share_mib": 4, "share_repeats": 5, "collects": 7,
-        "load": {"ranks": (2, 3, 4), "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB), "reads": (1, 2, 4),
-                 "repeats": 7, "collects": 3}, "fit_runs": 3}
-QUICK = {"sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
-         "share_repeats": 3, "collects": 3,
-         "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3,
-                  "collects": 1}, "fit_runs": 1}
+FULL: dict[str, Any] = {
+    "sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
+    "share_mib": 4, "share_repeats": 5, "collects": 7,
+    "load": {"ranks": (2, 3, 4), "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB), "reads": (1, 2, 4),
+             "repeats": 7, "collects": 3}, "fit_runs": 3}
+QUICK: dict[str, Any] = {
+    "sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
+    "share_repeats": 3, "collects": 3,
+    "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3,
+             "collects": 1}, "fit_runs": 1}
 
 
 def _finite(seconds: float) -> float:

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from sim import faults as fault_catalogue
 from sim.engine import PREPARE_POLL_STEPS, Engine
@@ -109,6 +109,7 @@ class RankProcess:
         # What the worker holds, as the commands posted to it imply: which drops a command makes.
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
+        self.conn: Any
         self.conn, self.proc = cluster.launcher.start(cfg)
         # Events carry the rank host's monotonic clock: the same clock as this process's on this kernel; a torchrun
         # slot on another host measured its offset at connect, to within clock_bound (real_backends/launch.py).
@@ -159,7 +160,7 @@ class RankProcess:
 
 
 class RealCluster(Engine):
-    def __init__(self, scenario, *, seed: int, strategy: str, faults: list[fault_catalogue.Armed] = (),
+    def __init__(self, scenario, *, seed: int, strategy: str, faults: Sequence[fault_catalogue.Armed] = (),
                  device: str = "cpu", timeout_s: float = 120.0, on_progress=None, launcher=None) -> None:
         from sim.eplb.communicators import plugins
 
@@ -179,7 +180,7 @@ class RealCluster(Engine):
         self.stuck: list[str] = []
         self.completed = False  # the timeline ran to its end, shutdown included
         self.t0 = time.monotonic()
-        self._store = None
+        self._store: Any = None  # the run's TCPStore while it runs
         # who starts rank processes: this host, or torchrun's slots
         self.launcher = launcher or LocalLauncher()
 
@@ -199,7 +200,7 @@ class RealCluster(Engine):
 
     def _handle(self, pid: int, msg: tuple) -> None:
         kind = msg[0]
-        w = self.workers.get(pid)
+        w: Any = self.workers.get(pid)  # (None for a rank that never started: only its crash arrives)
         if kind == "event":
             _, t, src, seq, what, fields = msg
             self.events.append((t + w.clock_offset, src, seq, what, fields))

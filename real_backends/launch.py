@@ -130,7 +130,7 @@ def share_clocks(infos: list[dict[str, Any]]) -> None:
     """The slots of one other host read one clock: give them all the placement measured most tightly among them,
     so that their events keep the order they had on that clock (placed one by one, two of them could be pulled
     apart by the sum of their bounds, the error this scheme exists to avoid)."""
-    best: dict[str, dict[str, Any]] = {}
+    best: dict[Any, dict[str, Any]] = {}  # clock domain -> the slot measured most tightly in it
     for info in infos:
         domain = info.get("clock_domain")
         if domain is not None and info["clock_bound"] > 0 and (
@@ -354,7 +354,8 @@ class LocalLauncher:
         try:
             zygote = self._zygote()
             pid = zygote.fork(theirs.fileno()) if zygote is not None else None
-            if pid is not None:
+            if zygote is not None and pid is not None:
+                assert zygote.popen is not None  # a zygote that forked is running
                 proc: Any = _Forked(zygote, pid)
                 cfg = dataclasses.replace(cfg, parent=zygote.popen.pid)  # the rank dies with the zygote
             else:

@@ -55,7 +55,7 @@ class LedgerAgent:
         self._xfers: dict[int, tuple[str, str, list[tuple[int, int]], list[tuple[int, int]]]] = {}
         self._open: dict[int, str] = {}  # id(xfer) posted and not yet done -> thread name
         self._raced = False  # reported a racing thread already (once per agent: the first race is the finding)
-        self._inner = None
+        self._inner: Any = None  # the real nixl_agent, made in start(); None after it is dropped
         self._start()
         self._live.add(self)
 
@@ -283,5 +283,5 @@ def install(emit: Emit, pid: int) -> None:
     LedgerAgent._emit = staticmethod(emit)
     LedgerAgent._pid = pid
     api.nixl_agent = LedgerAgent
-    sys.modules["nixl._api"].nixl_agent = LedgerAgent
+    vars(sys.modules["nixl._api"])["nixl_agent"] = LedgerAgent
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

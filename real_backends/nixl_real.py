@@ -63,7 +63,7 @@ def apply_progress_delay(bindings: Any) -> int:
             config.pthrDelay = delay
         return make(name, config)
 
-    nixlAgent.__wrapped__ = make
+    nixlAgent.__wrapped__ = make  # type: ignore[attr-defined]  # what it stands in front of
     bindings.nixlAgent = nixlAgent
     return delay
 

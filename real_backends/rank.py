@@ -163,9 +163,10 @@ class RealWorker:
         if cfg.placement is not None:
             fill_weights(self.weights, cfg.placement, cfg.group.rank)
         self.store = connect_store(*cfg.store, cfg.timeout_s)
-        self.group_spec, self.group = cfg.group, None
-        self.comm = None
-        self.prepared: tuple[Any, Any] | None = None
+        self.group_spec = cfg.group
+        self.group: Any = None  # the EPLB group's torch ProcessGroup, made at load and at every COMMIT
+        self.comm: Any = None
+        self.prepared: tuple[Any, Any, Any, Any] | None = None  # (communicator, group, its spec, EP group)
         self.aborted: Any = None
         self.load = LoadWindow(m.layers, m.experts, max(1, self.sc.eplb.window))
         self.async_thread: threading.Thread | None = None
@@ -195,11 +196,14 @@ class RealWorker:
         # The forward work a serving step leaves queued on the GPU when the host goes on to EPLB (the simulation's
         # serving.host_ahead_steps, in the scenario's own seconds): a sleep kernel, launched only when the stream
         # has caught up, so that it is at most that far behind however fast the scaled steps below run.
-        ahead = self.sc.serving.host_ahead_steps * self.sc.serving.step_time_s
+        ahead = (self.sc.serving.host_ahead_steps or 0.0) * self.sc.serving.step_time_s  # (filled in by validation)
         self._forward_work = _ForwardWork(ahead, device) if ahead > 0 and device.type == "cuda" else None
         # The MoE all2all (all2all.backend != none), as the simulation's worker: the group's manager, the standby one
         # PREPARE builds, the buffers the MoE layer and the staged kernels hold, and the retired group's cleanup.
-        self.a2a = self.prepared_a2a = self.a2a_buffer = self.prepared_a2a_buffer = None
+        self.a2a: Any = None
+        self.prepared_a2a: Any = None
+        self.a2a_buffer: Any = None
+        self.prepared_a2a_buffer: Any = None
         self.a2a_process: Any = None
         self.cleanup_thread: threading.Thread | None = None
 
@@ -321,6 +325,7 @@ class RealWorker:
 
     def _take_layer(self) -> None:
         with self.eplb_state:
+            assert self.pending is not None and self.consumed is not None  # staged together (_eplb_step)
             layer, move_from_buffer = self.pending
             self.pending = None
             consumed, self.consumed = self.consumed, None
@@ -415,7 +420,7 @@ class RealWorker:
         if loop is not None:
             self.history("eplb.move_loop", loop="vllm")  # a metric (real_backends/judge.py), as in the simulation
         at_once = loop is not None and not paced  # vLLM's rearrange_expert_weights_inplace moves every layer itself
-        if at_once:
+        if loop is not None and at_once:
             loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
                            comm, mapping, stream)
         for layer in range(0 if at_once else old.num_layers):
@@ -510,6 +515,7 @@ class RealWorker:
         # Recorded first, as the simulation does: what this collection finalizes appears after it in the history.
         self.history("gc.collect", reason="commit")
         gc.collect()  # vLLM's switch_and_prepare collects before the swap
+        assert self.prepared is not None, "COMMIT without PREPARE"
         comm, group, spec, ep_group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm

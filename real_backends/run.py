@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Sequence
 
 from sim import faults as fault_catalogue
 from sim.outputs import write_run_files
@@ -19,7 +20,7 @@ from .ordering import clock_sensitivity
 
 
 def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
-             faults: list[str | fault_catalogue.Armed] = (), device: str = "cpu", timeout_s: float = 120.0,
+             faults: Sequence[str | fault_catalogue.Armed] = (), device: str = "cpu", timeout_s: float = 120.0,
              out: str | Path | None = None, on_progress=None, launcher=None,
              ranks_per_host: int | None = None) -> Result:
     seed = scenario.seed if seed is None else seed

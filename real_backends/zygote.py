@@ -88,7 +88,7 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
     children: set[int] = set()
     while True:
         try:
-            ready, _, _ = select.select([ctrl, wake_r], [], [])
+            ready, _, _ = select.select([ctrl, wake_r], [], [])  # type: ignore[type-var]  # a socket and an fd
         except InterruptedError:
             continue
         if wake_r in ready:

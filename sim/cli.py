@@ -11,14 +11,14 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 try:  # typer >= 0.25 vendors click; older releases depend on it
     from typer._click import exceptions as _click_errors
 except ImportError:  # pragma: no cover - depends on the installed typer
-    from click import exceptions as _click_errors
+    from click import exceptions as _click_errors  # type: ignore[no-redef]
 
 from . import __version__, quiet
 from .errors import (BackendUnavailable, BadOutput, EpsimError, InternalError, ScenarioError, UnknownName, one_line,
@@ -383,7 +383,8 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
     if not sc.builtin_dir().is_dir():
         raise ScenarioError(f"no scenario folder at {sc.builtin_dir()} (EPSIM_SCENARIO_DIR names a folder of "
                             f".yaml files)")
-    rows, broken = [], []
+    rows: list[dict[str, Any]] = []
+    broken: list[str] = []
     for name in sc.builtin_names():
         try:
             s = sc.load(name)
@@ -567,6 +568,7 @@ def shrink(
     except shrink_mod.NotReproduced as exc:
         typer.echo(f"not shrunk: {exc}", err=True)
         raise typer.Exit(1) from None
+    assert res.bundle is not None  # shrink() writes the smallest failing configuration it found
     saved = str(bundle_mod.save_to_corpus(res.bundle, corpus)) if corpus else None
     before, after = res.original.size(), res.final.size()
     names = ("faults", "elastic events", "peak ranks", "layers", "steps")

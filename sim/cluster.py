@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from typing import Any
+from typing import Any, Sequence, TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +44,9 @@ class NominalTimeModel(TimeModel):
         super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, connect_s=connect_s, **host_costs)
         object.__setattr__(self, "_scale", nominal_row_bytes / max(1, row_bytes))
 
+    if TYPE_CHECKING:
+        _scale: float  # set once above (the time model is a frozen dataclass)
+
     def wire_seconds(self, nbytes: int) -> float:
         return nbytes * self._scale / self.bandwidth_Bps
 
@@ -51,7 +54,7 @@ class NominalTimeModel(TimeModel):
 
 class Cluster(Engine):
     def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
-                 faults: list[fault_catalogue.Armed] = (), on_progress=None, calibration=None) -> None:
+                 faults: Sequence[fault_catalogue.Armed] = (), on_progress=None, calibration=None) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
         self.on_progress = on_progress  # called with (step, simulated seconds) between lifecycle events
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}

@@ -141,5 +141,5 @@ def installed(streams: dict[int, DeviceStream], kernel, rocm: bool = False) -> I
     finally:
         torch.version.hip = saved_hip
         cuda.current_stream, cuda.synchronize = saved
-        if saved_acc is not None:
+        if accelerator is not None and saved_acc is not None:
             accelerator.current_stream, accelerator.synchronize = saved_acc

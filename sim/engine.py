@@ -63,7 +63,7 @@ class Engine:
         self._next_pid = 0
         self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
         self._route_epoch = -1
-        self._route_probs: np.ndarray | None = None
+        self._route_probs = np.empty((0, 0))  # the epoch's routing probabilities, made at its first step
         # The load the last rebalance placed experts for (vLLM's last_expert_load, ones before the first): the
         # reshuffle of an elastic reconfiguration places for it, not for the current window.
         self._last_load = np.ones((m.layers, m.experts), dtype=np.int64)
@@ -199,6 +199,7 @@ class Engine:
         the last rebalance does; a periodic one and the reshuffle after a scale-up return at once and the layers
         move while the group serves.  ``label``: the span it adds (an elastic event's reshuffle is a phase of it)."""
         old = self.placement
+        assert old is not None, "rebalance before load"
         size = new_size or len(self.members)
         self.before_rebalance()
         # vLLM counts the nodes of the ranks the placement is for (a scale-down: the survivors); ranks fill nodes

@@ -120,7 +120,8 @@ class LocalEngine:
         wait_s = None if first == float("inf") else max(0.0, first - now)
         ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=wait_s))
         for i, w in enumerate(pool):
-            if w.spec is None:
+            spec = w.spec
+            if spec is None:
                 continue
             row = None
             if w.conn in ready:
@@ -133,18 +134,18 @@ class LocalEngine:
                     continue
                 if row is None:  # the pipe closed under us: the process died mid-run
                     w.proc.join(5)
-                    row = failed_row(w.spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
+                    row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
                     pool[i] = w = self._replace(w)
             elif w.proc.sentinel in ready:
                 w.proc.join(5)
-                row = failed_row(w.spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
+                row = failed_row(spec, "worker_crash", _death(w.proc.exitcode), time.monotonic() - w.started)
                 pool[i] = w = self._replace(w)
             elif time.monotonic() >= w.deadline(self.timeout):
                 elapsed = time.monotonic() - w.started
                 if w.begun:
-                    row = failed_row(w.spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
+                    row = failed_row(spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
                 else:
-                    row = failed_row(w.spec, "worker_crash", f"worker process did not begin the run within "
+                    row = failed_row(spec, "worker_crash", f"worker process did not begin the run within "
                                                              f"{START_LIMIT_S:g} s", elapsed)
                 pool[i] = w = self._replace(w)
             if row is None:

@@ -115,8 +115,8 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
             continue
         number = isinstance(value, int) if kind is int else isinstance(value, (int, float))
         if isinstance(value, bool) or not number or not math.isfinite(value) or value < least:
-            what = "a whole number" if kind is int else "a number of seconds" if key == "delay_s" else "a number"
-            raise ScenarioError(f"fault {site}: {key}={value!r} must be {what} >= {least}")
+            noun = "a whole number" if kind is int else "a number of seconds" if key == "delay_s" else "a number"
+            raise ScenarioError(f"fault {site}: {key}={value!r} must be {noun} >= {least}")
     what = params.get("what")
     if what is not None and not any(str(what) in drop for drop in DROPS):
         raise ScenarioError(f"fault {site}: what={what!r} is part of no drop's name, so it would never fire; drops "

@@ -59,7 +59,7 @@ class _Env(simpy.Environment):
 
     def schedule(self, event, priority=simpy.core.NORMAL, delay=0) -> None:
         key = (self._tiebreak() if self._tiebreak else 0.0, next(self._seq))
-        heappush(self._queue, (self._now + delay, priority, key, event))
+        heappush(self._queue, (self._now + delay, priority, key, event))  # type: ignore[misc]  # SimPy's heap
 
 
 class SimThread:
@@ -107,8 +107,8 @@ class Kernel:
         self.env = _Env(sched.raw().random if tiebreak else None)
         # The clock and the current thread are read several times per NIXL call of every rank (a million times an
         # hour at DeepSeek scale): C-level accessors instead of a Python method and a property each.
-        self.now = functools.partial(operator.attrgetter("_now"), self.env)
-        self.current = functools.partial(operator.attrgetter("_current"), self)
+        self.now = functools.partial(operator.attrgetter("_now"), self.env)  # type: ignore[method-assign]
+        self.current = functools.partial(operator.attrgetter("_current"), self)  # type: ignore[method-assign]
         self.history = History(self.now)
         self.threads: list[SimThread] = []
         self.crashes: list[tuple[SimThread, BaseException]] = []
@@ -144,7 +144,7 @@ class Kernel:
         ev.callbacks.append(lambda _e: self._step(th, None))
         self.env.schedule(ev, simpy.core.URGENT)
 
-    def _step(self, th: SimThread, event: simpy.events.Event | None) -> None:
+    def _step(self, th: SimThread, event: Any) -> None:  # a simpy.events.Event; None at the first run
         """Resume ``th`` with what ``event`` gave (its first run when None) and let it run to its next wait.
 
         Threads are driven by event callbacks, not by a SimPy process each: a wait registers this method on the
@@ -334,7 +334,7 @@ class Kernel:
             kernel.history.record("finalizer.error", where=str(where), error=exception_line(info.exc_value))
 
         gc.disable()
-        time.sleep = sim_sleep
+        time.sleep = sim_sleep  # type: ignore[assignment]  # takes what time.sleep takes
         time.monotonic = clock("monotonic", 1000.0)
         time.perf_counter = clock("perf_counter", 1000.0)
         time.time = clock("time", 1.7e9)

@@ -38,7 +38,7 @@ LATER = "pr-53947"
 DEEPEP_STRATEGY, DEEPEP_PROFILE = "per-communicator-agent-deferred", "dram"
 DEEPEP_ROWS = (("deepep_low_latency", "stock"), ("deepep_low_latency", "elastic"), ("deepep_low_latency", "mi355"),
                ("deepep_high_throughput", "stock"))
-DEEPEP_COLUMNS = (  # (label, scenario, faults, extra overrides)
+DEEPEP_COLUMNS: tuple[tuple[str, str, tuple[str, ...], dict[str, Any]], ...] = (  # (label, scenario, faults, overrides)
     ("scale-up", "scale-up", (), {}),
     ("scale-down", "scale-down", (), {}),
     ("elastic-cycle", "elastic-cycle", (), {}),
@@ -209,7 +209,7 @@ class StreamCell(_Verdict):
 
 # The stream tables: vLLM's defaults (async scheduling on: a step's forward work is still queued when EPLB runs),
 # the same with async EPLB, and the injected lag alone (the host in step with the GPU, so only the fault decides).
-STREAM_MODES = (
+STREAM_MODES: tuple[tuple[str, dict[str, Any], list[str]], ...] = (
     ("defaults", {}, []),
     ("defaults, async EPLB", {"eplb.use_async": True}, []),
     ("lag", {"serving.async_scheduling": False}, [STREAM_FAULT]),

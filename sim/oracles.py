@@ -44,7 +44,8 @@ class Problem:
 
 def spans(pids: list[int]) -> str:
     """[0, 1, 2, 3, 7] -> '0-3, 7': member lists of 64 ranks stay readable in one line."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for p in sorted(pids):
         if run and p == run[-1] + 1:
             run.append(p)
@@ -84,7 +85,7 @@ class Oracles:
             return
         if kind == "xfer.post":
             return
-        conn = f.get("conn")
+        conn: Any = f.get("conn")  # the agent's connection (absent from events that are not an agent's)
         if kind == "agent.create":
             self.live[conn] = SpanIndex()
             self.agent_pid[conn], self.agent_name[conn] = f["pid"], f["agent"]
@@ -102,10 +103,10 @@ class Oracles:
                 index.add(0, lo, n, (lo, n))
             self.metrics["registrations"] += len(f["ranges"])
         elif kind == "deregister":
-            index, released = self.live.get(conn), self.released[conn]
+            still, released = self.live.get(conn), self.released[conn]
             for r in f["ranges"]:
-                if index is not None:
-                    index.remove(tuple(r))
+                if still is not None:
+                    still.remove(tuple(r))
                 released.add(tuple(r))
         elif kind == "deregister.refused":
             again = [tuple(r) for r in f["ranges"] if tuple(r) in self.released.get(conn, ())]
@@ -147,6 +148,7 @@ class Oracles:
         metrics["transfers"] += 1
         metrics["bytes_moved"] += nbytes
         live = self.live
+        where: Any  # the connection of that side (None: no peer entry for the target)
         for side, where, spans in (("local", conn, local), ("remote", target, remote)):
             index = live.get(where)
             if index is None:
@@ -235,7 +237,7 @@ class Oracles:
         return first.verdict, first.invariant, first.detail
 
 
-def _caused_by(exc: BaseException, kind: type) -> bool:
+def _caused_by(exc: BaseException | None, kind: type) -> bool:
     """Whether ``exc`` or an exception it was raised from (``__cause__``, else ``__context__``) is a ``kind``."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

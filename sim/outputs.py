@@ -29,7 +29,7 @@ class OutputFailed(BadOutput):
         self.result = result
 
 
-def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], None]], result: Any) -> None:
+def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], object]], result: Any) -> None:
     """A run's files into ``out``: every one written under a temporary name first, and only when all are written
     moved over the old ones, so a failed write (a full disk) leaves the earlier run's files whole and together; the
     run files this run does not make are removed, so that a folder never mixes two runs (a real run writes no tape).

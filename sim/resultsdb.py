@@ -183,7 +183,7 @@ class ResultsDB:
                                        (command, planned, started_at))
         except sqlite3.OperationalError as exc:  # the first write of a sweep: before any run
             raise DatabaseError(f"{self.path}: cannot write to it ({exc})") from None
-        return int(cur.lastrowid)
+        return int(cur.lastrowid or 0)  # set by the INSERT above
 
     def add(self, row: dict[str, Any]) -> bool:
         """Store one finished run (committed at once); False if a run with its key is already stored."""

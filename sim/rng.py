@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+_Random = random.Random  # (inside the class, `random` is the method of that name)
+
 
 def derive_seed(root: int, name: str) -> int:
     digest = hashlib.sha256(f"{root}:{name}".encode()).digest()
@@ -67,7 +69,7 @@ class Stream:
     def getrandbits(self, k: int) -> int:
         return self._note("bits", self._rng.getrandbits(k))
 
-    def raw(self) -> random.Random:
+    def raw(self) -> _Random:
         """The underlying generator, for bulk draws (numpy seeding) that are reproduced from the seed alone."""
         return self._rng
 

@@ -10,7 +10,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from . import crash as crash_mod
 from . import quiet
@@ -48,7 +48,7 @@ class Result:
 
 
 def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
-                 faults: list[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
+                 faults: Sequence[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
                  on_progress=None, calibration=None, tidy: bool = True) -> Result:
     """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace.
     ``tidy``: finalize the simulated world before returning (False: a process about to exit leaves it to the OS)."""
@@ -104,14 +104,15 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
             raise HarnessError(f"strategy {strategy!r}: {unjudged}")
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
         result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
-        result.tape = cluster.kernel.streams.tape.entries  # not a field: replay reads it, --json does not print it
+        # The recorded decisions ride on the result for replay; not a field, so --json does not print them.
+        tape = vars(result)["tape"] = cluster.kernel.streams.tape.entries
         try:
             if out is not None:
                 history = cluster.kernel.history
                 write_run_files(out, {
                     "history.jsonl": history.write_jsonl,
                     "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
-                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": result.tape},
+                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": tape},
                                                                    default=str) + "\n"),
                     "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
                 }, result)

@@ -46,7 +46,8 @@ class Records(Sequence):
     def positions(self, kind: str) -> list[int]:
         """The index of every record of ``kind``, in order (one C-level scan per hit, not a Python loop over a
         million records)."""
-        found, kinds, i = [], self._kind, -1
+        found: list[int] = []
+        kinds, i = self._kind, -1
         while True:
             try:
                 i = kinds.index(kind, i + 1)

@@ -87,8 +87,11 @@ class Worker:
         self.alive = True
         # The MoE all2all (all2all.backend != none): the group's manager, the standby one PREPARE builds, the MoE
         # layer's strong reference to its buffer, and the per-process LL class attribute.
-        self.a2a = self.prepared_a2a = self.a2a_buffer = self.prepared_a2a_buffer = None
-        self.a2a_process = None
+        self.a2a: Any = None
+        self.prepared_a2a: Any = None
+        self.a2a_buffer: Any = None
+        self.prepared_a2a_buffer: Any = None
+        self.a2a_process: Any = None
         self.a2a_handle: tuple[Any, Any] | None = None  # (weak reference to the buffer, handle) of the last dispatch
 
     # -- plumbing -----------------------------------------------------------------------------------------------
@@ -225,6 +228,7 @@ class Worker:
     def _take_layer(self) -> None:
         """The main thread takes the staged layer: ``move_from_buffer`` on the compute stream, then the consumed
         event lets the async thread start the next layer's transfers; the last layer ends the rebalance."""
+        assert self.pending is not None  # every rank has its layer staged (_eplb_step)
         layer, move_from_buffer = self.pending
         self.pending = None
         move_from_buffer()
@@ -324,7 +328,7 @@ class Worker:
         loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
         self.cluster.vllm_moved |= loop is not None
         at_once = loop is not None and not paced  # vLLM's rearrange_expert_weights_inplace moves every layer itself
-        if at_once:
+        if loop is not None and at_once:
             for layer in range(old.num_layers):
                 self.cluster.recvs_planned += len(self.cluster.plan(old, new, layer, mapping)[rank].recvs)
             loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
@@ -437,6 +441,7 @@ class Worker:
         starts: an old communicator that only a reference cycle kept is finalized inside the reconfiguration."""
         self.join_async()
         self.cluster.gc.collect(f"commit@{self.pid}", self.pid)
+        assert self.prepared is not None, "COMMIT without PREPARE"
         comm, group = self.prepared
         self.prepared = None
         old, self.comm = self.comm, comm

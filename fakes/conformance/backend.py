@@ -57,7 +57,7 @@ class Backend:
         """Hook: memory at addr was unmapped (the fake tells its fabric; the real library finds out itself)."""
 
     # -- world ----------------------------------------------------------------------------------------------
-    def agent(self, name: str, **conf: Any):
+    def agent(self, name: str | bytes | None, **conf: Any):  # not a str: to see the library's answer
         if conf:
             return self.api.nixl_agent(name, self.api.nixl_agent_config(**conf))
         return self.api.nixl_agent(name)

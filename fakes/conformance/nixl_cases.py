@@ -3,6 +3,8 @@ expects.  Names say the behaviour; docstrings say the reference row it pins (sha
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .backend import PATTERN, Backend
@@ -1077,7 +1079,7 @@ def _overlap_reads(b: Backend, shape: str, where: str, release: str, two_agents:
     return out
 
 
-def _overlap_case(shape: str) -> dict[str, str]:
+def _overlap_case(shape: str) -> Callable[[Backend], dict[str, str]]:
     def run(b: Backend) -> dict[str, str]:
         got = {f"{w}/{r}": _overlap_reads(b, shape, w, r) for w in ("remote", "local") for r in ("none", "r1", "r2")}
         got["remote, R2 by another agent"] = _overlap_reads(b, shape, "remote", "none", two_agents=True)

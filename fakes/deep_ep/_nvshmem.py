@@ -47,7 +47,8 @@ class World:
             self.generation += 1
         self.init_count += 1
         self.history.append(("init", nranks, self.init_count))
-        return int(self.nranks)
+        assert self.nranks is not None  # bootstrapped above, or before
+        return self.nranks
 
     def finalize(self, profile: str) -> None:
         if self.init_count <= 0:

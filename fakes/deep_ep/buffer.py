@@ -354,7 +354,7 @@ class Buffer:
         def reduce(payloads: list[Any]) -> list[Any]:
             hidden = payloads[0][0].shape[1:]
             sums = [torch.zeros((p[3],) + tuple(hidden), dtype=payloads[0][0].dtype) for p in payloads]
-            wsums = [None] * len(payloads)
+            wsums: list[Any] = [None] * len(payloads)
             for rows, w, layout, _ in payloads:
                 start = 0
                 for src, tokens in enumerate(layout):

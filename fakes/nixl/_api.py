@@ -299,7 +299,7 @@ class nixl_agent:
                                    backends: list[str] = []) -> bytes:  # noqa: B006
         return self.agent.getLocalPartialMD(descs, inc_conn_info, self._handles(backends))
 
-    def add_remote_agent(self, metadata: bytes) -> str:
+    def add_remote_agent(self, metadata: bytes) -> bytes:
         return self.agent.loadRemoteMD(metadata)  # bytes, as in 1.5.1 (row 13)
 
     def remove_remote_agent(self, agent: str) -> None:
@@ -341,7 +341,7 @@ class nixl_agent:
             rows.append((t.data_ptr(), t.nbytes, dev if dev > 0 else 0))
         return ("DRAM" if device == -1 else "VRAM"), rows
 
-    def _descs(self, descs: Any, mem_type: Optional[str], cls: type, arity: int, wrong: type, wrong_msg: str):
+    def _descs(self, descs: Any, mem_type: Optional[str], cls: Any, arity: int, wrong: type, wrong_msg: str):
         if isinstance(descs, cls):
             return descs
         if isinstance(descs, wrong):

@@ -84,7 +84,7 @@ def _takes_name(method, index: int, keyword: str):
             kw[keyword] = _agent_name(kw[keyword], call)
         return method(self, *args, **kw)
 
-    converted.__takes_name__ = True
+    converted.__takes_name__ = True  # type: ignore[attr-defined]  # a mark read back by getattr below
     return converted
 
 

@@ -74,7 +74,7 @@ class _DList:
                     self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
                 return
             # pybind11 takes a list, a numpy array or a size: a tuple of tuples matches no constructor
-            raise TypeError(f"__init__(): incompatible constructor arguments; got {type(descs).__name__}, expected "
+            raise TypeError(f"__init__(): incompatible constructor arguments; got {descs.__class__.__name__}, expected "
                             "a list of tuples, an Nx3 numpy array or a size")
         arity = self._arity
         for desc in descs:

@@ -225,7 +225,7 @@ class FakeFabric:
     def live_agent(self, conn: str | None) -> AgentCore | None:
         """The agent behind connection ``conn`` if it exists and its process is alive (asked twice per transfer:
         reads the weak dictionary's references directly instead of through its Python-level ``get``)."""
-        ref = self.conns.data.get(conn)
+        ref = self.conns.data.get(conn)  # type: ignore[attr-defined]  # WeakValueDictionary's own dict
         core = ref() if ref is not None else None
         if core is None:
             return None

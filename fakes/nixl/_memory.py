@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from . import _status as S
+from ._parts import AgentParts
 from ._faults import STATUS_BY_NAME
 from ._spans import SpanIndex
 from ._dlist import nixlRegDList, nixlXferDList
@@ -145,7 +146,7 @@ def _check_dlist(descs: object, cls: type, call: str) -> None:
                         f"    1. (self: nixlAgent, descs: {cls.__name__}, backends: collections.abc.Sequence) -> None")
 
 
-class MemoryMixin:
+class MemoryMixin(AgentParts):
     def _init_memory(self) -> None:
         self.regions: list[Region] = []  # in registration order: what metadata and deregistration see
         self.region_index = SpanIndex("nixl")  # the same regions, looked up as NIXL looks a descriptor up

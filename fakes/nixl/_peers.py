@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _status as S
+from ._parts import AgentParts
 from ._memory import SectionTable, decode_md
 
 
@@ -34,7 +35,7 @@ class Peer:
         return self.table.index.find((mem, dev), addr, length)
 
 
-class PeersMixin:
+class PeersMixin(AgentParts):
     def _init_peers(self) -> None:
         self.peers: dict[str, Peer] = {}
         self.inbox: list[tuple[str, bytes]] = []  # (sender name, message), in arrival order

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import NoReturn
 
 log = logging.getLogger("epsim.fakes.nixl")
 
@@ -151,7 +152,7 @@ def error(code: int, log_line: str | None = None) -> Exception:
     return cls(name)
 
 
-def fail(code: int, log_line: str | None = None):
+def fail(code: int, log_line: str | None = None) -> NoReturn:
     raise error(code, log_line)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.malloc.restype = ctypes.c_void_p
@@ -20,7 +21,7 @@ _libc.free.argtypes = [ctypes.c_void_p]
 PATTERN = 0xBA
 
 
-def _size(n: object, what: str) -> int:
+def _size(n: Any, what: str) -> int:
     value = int(n)  # (pybind11 takes any int-like; a negative size wraps in C, which no caller means)
     if value < 0:
         raise TypeError(f"{what}: a size must not be negative, got {value}")

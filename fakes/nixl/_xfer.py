@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _status as S
+from ._parts import AgentParts
 from ._dlist import nixlXferDList
 from ._faults import STATUS_BY_NAME
 from ._memory import Region
@@ -135,7 +136,7 @@ def _indices(values: Any) -> list[int]:
     return [int(v) for v in items]
 
 
-class XferMixin:
+class XferMixin(AgentParts):
     def _init_xfer(self) -> None:
         self.dlists: dict[int, PreppedDlist] = {}
         self.xfers: dict[int, XferReq] = {}
@@ -210,6 +211,7 @@ class XferMixin:
         li = _indices(local_idx)  # pybind casts them before 1.5.1 looks at anything
         ri = li if remote_idx is local_idx else _indices(remote_idx)
         if remote.side == "remote":
+            assert remote.peer is not None  # a remote list names its peer
             known = self.peers.get(remote.peer)
             if known is None or known.generation != remote.generation:  # removed (and maybe added again) since
                 S.fail(S.NOT_FOUND, f"makeXferReq: remote agent '{remote.peer}' was removed after its descriptor "
@@ -217,6 +219,8 @@ class XferMixin:
         if not li or len(li) != len(ri):
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
         lt, rt = local.triples, remote.triples
+        lregs: Sequence[Region]
+        rregs: Sequence[Region]
         n = len(li)
         if li == ri and n == len(lt) == len(rt) and li == _in_order(n):  # every EPLB READ: both lists whole
             pairs = [(loc[0], r[0], loc[1]) for loc, r in zip(lt, rt) if loc[1] == r[1]]
@@ -230,16 +234,17 @@ class XferMixin:
                     if max(values) > _INT_MAX or min(values) < _INT_MIN:  # pybind would not have cast it
                         _cast_error(given)
                 S.fail(S.INVALID_PARAM, "makeXferReq: descriptor index out of range")
-            pairs, lregs, rregs = [], [], []
+            pairs, lpicked, rpicked = [], [], []
             local_regions, remote_regions = local.regions, remote.regions
             for k, (i, j) in enumerate(zip(li, ri)):
                 (la, ln, _), (ra, rn, _) = lt[i], rt[j]
                 if ln != rn:
                     S.fail(S.INVALID_PARAM, f"makeXferReq: length mismatch at index {k}")
                 pairs.append((la, ra, ln))
-                lregs.append(local_regions[i])
-                rregs.append(remote_regions[j])
-        peer = remote.peer if remote.side == "remote" else self.name
+                lpicked.append(local_regions[i])
+                rpicked.append(remote_regions[j])
+            lregs, rregs = lpicked, rpicked
+        peer = remote.peer if remote.side == "remote" and remote.peer is not None else self.name
         return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
 
     def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
@@ -307,6 +312,7 @@ class XferMixin:
         peer entry of ``req.peer`` if the caller has it (None: not a peer)."""
         fabric = self.fabric
         profile = fabric.profile
+        target: AgentParts | None
         if req.peer == self.name:
             target = self
         else:
@@ -391,14 +397,16 @@ class XferMixin:
                 if late is not None:
                     delay += float(late.params.get("delay", 1.0))
         self._emit_xfer("xfer.post", req, peer)
+        posted = None
         if self.telemetry:
-            req.posted, req.done_at = (started, self._telemetry_now()), None
+            posted = (started, self._telemetry_now())
+            req.posted, req.done_at = posted, None
         if delay <= 0:
             self._complete(req, req.epoch)
             if req.finished:
                 req.state = DONE
-                if self.telemetry:
-                    req.done_at = req.posted[1]
+                if posted is not None:
+                    req.done_at = posted[1]
                 self._notify(req)  # completed within the post: the notification goes with it
             return S.nixl_status_t.NIXL_SUCCESS if req.state == DONE else S.nixl_status_t.NIXL_IN_PROG
         epoch = req.epoch
@@ -410,6 +418,7 @@ class XferMixin:
         raw, listeners = fabric.xfer_listeners, fabric.listeners
         if not raw and not listeners:
             return
+        target: str | None
         if req.peer == self.name:
             target = self.conn
         else:
@@ -422,8 +431,8 @@ class XferMixin:
             spans = req.spans
             fields = {"agent": self.name, "pid": self.pid, "conn": self.conn, "peer": req.peer, "target": target,
                       "op": req.op, "nbytes": req.nbytes, "local": list(spans[0]), "remote": list(spans[1])}
-            for listener in listeners:
-                listener(kind, fields)
+            for listen in listeners:
+                listen(kind, fields)
 
     def _complete(self, req: XferReq, epoch: int) -> None:
         if req.state != PROC or req.epoch != epoch or self.destroyed:

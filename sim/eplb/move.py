@@ -138,7 +138,7 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
     """``needs``: every rank's :func:`_needs`, if the caller has them already."""
     if needs is None:
         needs = [_needs(o, n) for o, n in zip(old_rows, new_rows)]
-    wanted = []  # (logical, dst_rank, dst_row)
+    wanted: list[tuple[int, int, int]] = []  # (logical, dst_rank, dst_row)
     for dst, (_, _, first_recv, _) in enumerate(needs):
         wanted.extend((logical, dst, row) for logical, row in first_recv.items())
     holding: dict[int, list[int]] = {}  # logical -> the ranks holding it before the move, ascending
@@ -330,7 +330,7 @@ class RowViews:
         return got[1]
 
 
-def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows,
+def move_layer(comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan, rows,
                stream=None) -> None:
     """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
     local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
@@ -344,8 +344,8 @@ def move_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, 
     issue_move_from_buffer(weights_layer, buffer, plan, rows, stream, layer)
 
 
-def transfer_layer(comm, layer: int, old_indices: list[int], weights_layer, buffer, plan: LayerPlan, rows,
-                   stream=None) -> None:
+def transfer_layer(comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan,
+                   rows, stream=None) -> None:
     """The first part of :func:`move_layer` (vLLM's ``transfer_layer``): local copies staged in ``expert_buffer`` on
     ``stream``, then the transfer context, every send and recv, ``execute()``, in the order of vLLM 0.33.0's
     ``move_to_buffer`` (a ``set_transfer_context`` that synchronizes the stream, as its ROCm branch does, waits for

@@ -117,7 +117,7 @@ def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int
     keeps stays in its old slot and is not copied at all.  Old slots are visited in order, each taking the first
     not yet placed replica of its old expert; the remaining new experts fill the other slots in their new order."""
     placed: list[int | None] = [None] * len(new_rows)
-    free = list(new_rows)  # new experts not yet placed (None once placed)
+    free: list[int | None] = list(new_rows)  # new experts not yet placed (None once placed)
     for slot, was in enumerate(old_rows[:len(new_rows)]):
         if was in free:
             i = free.index(was)
@@ -145,7 +145,7 @@ def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Place
     kept = 0 if previous is None else min(ep_size, previous.ep_size)
     for layer in range(shape.num_layers):
         for rank, ids in enumerate(_layer(arr[layer].tolist(), num_physical, ep_size, groups, nodes)):
-            if rank < kept:
+            if rank < kept and previous is not None:
                 ids = preserve_slots(ids, previous.rank_rows(rank, layer).tolist())
             out[layer, rank * num_local:(rank + 1) * num_local] = ids
     return Placement(out, ep_size, shape.num_logical_experts)

@@ -127,6 +127,7 @@ class Placement:
     """
 
     __slots__ = ("_p2l", "_ep_size", "_num_logical", "_hash")
+    _hash: int  # set by the first __hash__
 
     def __init__(self, physical_to_logical, ep_size: int, num_logical: int | None = None) -> None:
         raw = np.asarray(physical_to_logical)

@@ -23,7 +23,7 @@ import torch
 class DeviceView(torch.Tensor):
     """A host tensor that reports a GPU as its device; operations on it give plain host tensors."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _epsim_device: torch.device
 
     @property
@@ -34,7 +34,7 @@ class DeviceView(torch.Tensor):
     def is_cuda(self) -> bool:  # type: ignore[override]
         return self._epsim_device.type == "cuda"
 
-    def get_device(self) -> int:  # type: ignore[override]
+    def get_device(self) -> int:
         return self._epsim_device.index if self._epsim_device.index is not None else 0
 
 
@@ -86,7 +86,7 @@ def host_memory_agent(agent_cls: type) -> type:
     """``agent_cls`` (a NIXL ``nixl_agent``) for a world whose memory is host memory: device descriptors become
     host descriptors on their way in."""
 
-    class HostMemoryAgent(agent_cls):  # type: ignore[misc, valid-type]
+    class HostMemoryAgent(agent_cls):
         __doc__ = f"{agent_cls.__module__}.{agent_cls.__name__}, with device memory that lives in host memory."
 
         def _inherited(self, name: str) -> Any:

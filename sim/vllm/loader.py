@@ -18,6 +18,7 @@ import sys
 import threading
 import types
 from pathlib import Path
+from typing import Any
 
 from sim.eplb.communicators.plugins import isolated_package
 
@@ -34,7 +35,7 @@ class _StandinLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return None  # the default module object
 
-    def exec_module(self, module: types.ModuleType) -> None:
+    def exec_module(self, module: Any) -> None:  # a module being made: standins names what it gets
         build = standins.STANDINS.get(module.__name__)
         module.__epsim_standin__ = True
         if build is not None:
@@ -73,7 +74,7 @@ class VllmModules:
     def __init__(self, source: VllmSource, modules: dict[str, types.ModuleType], world: standins.World) -> None:
         self.source, self.modules, self.world = source, modules, world
 
-    def __getitem__(self, name: str) -> types.ModuleType:
+    def __getitem__(self, name: str) -> Any:  # a module of vLLM's: its names are vLLM's, not known here
         return self.modules[name]
 
 

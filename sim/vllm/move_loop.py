@@ -34,7 +34,7 @@ class StreamView(DeviceView):
     _epsim_stream: Any
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # torch's protocol
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and kwargs.get("non_blocking") and isinstance(args[0], StreamView):
             return _issue_copy(args[0], args[1])

@@ -49,7 +49,7 @@ def configure(path: str | None, name: str):
 
 
 def _subclass(base: type, nixl_utils: Any) -> type:
-    class SharedAgentNixlEplbCommunicator(base):  # type: ignore[misc, valid-type]
+    class SharedAgentNixlEplbCommunicator(base):
         def __init__(self, cpu_group: Any, all_expert_weights: Any, expert_buffer: Any,
                      prev_communicator: Any = None) -> None:
             shared = getattr(prev_communicator, "_nixl_wrapper", None)
@@ -71,7 +71,7 @@ def _subclass(base: type, nixl_utils: Any) -> type:
                 super()._init_registered_buffers()
 
         def __del__(self) -> None:
-            wrapper = getattr(self, "_nixl_wrapper", None)
+            wrapper: Any = getattr(self, "_nixl_wrapper", None)
             for local_h, remote_h, xfer_h in getattr(self, "_xfer_entries", ()):
                 with contextlib.suppress(Exception):
                     wrapper.release_xfer_handle(xfer_h)

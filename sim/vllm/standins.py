@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 from typing import Any, Callable
 
 import torch
+
+# A stand-in module being filled in: its attributes are the ones vLLM's module has, set here by name.
+Module = Any
 
 PACKAGES = ("vllm", "vllm.distributed", "vllm.utils", "vllm.distributed.device_communicators")
 
@@ -56,7 +58,7 @@ class _OnceLogger(logging.LoggerAdapter):
         self._once(logging.DEBUG, msg, *args, **kw)
 
 
-def _logger(m: types.ModuleType, world: "World") -> None:
+def _logger(m: Module, world: "World") -> None:
     # vLLM configures a handler of its own for its "vllm" logger; here its messages are not epsim's output, so they
     # go nowhere unless the user gave that logger a handler.
     root = logging.getLogger("vllm")
@@ -92,11 +94,11 @@ class _Platform:
         return False
 
 
-def _platforms(m: types.ModuleType, world: "World") -> None:
+def _platforms(m: Module, world: "World") -> None:
     m.current_platform = _Platform(world)
 
 
-def _config(m: types.ModuleType, world: "World") -> None:
+def _config(m: Module, world: "World") -> None:
     class ParallelConfig:  # only named in a signature by the code under test
         pass
 
@@ -108,7 +110,7 @@ class _Stage:
     rank_in_group = 0
 
 
-def _parallel_state(m: types.ModuleType, world: "World") -> None:
+def _parallel_state(m: Module, world: "World") -> None:
     class GroupCoordinator:
         """vLLM's group coordinator around one process group: ``cpu_group`` (the group epsim hands the strategy,
         gloo or epsim's fake), ``device_group`` (the same group: NCCL is not modelled) and no device
@@ -128,10 +130,10 @@ def _parallel_state(m: types.ModuleType, world: "World") -> None:
     m.is_local_first_rank = lambda: False  # only decides whether vLLM logs its "initialized" line
 
 
-def _stateless(m: types.ModuleType, world: "World") -> None:
+def _stateless(m: Module, world: "World") -> None:
     import importlib
 
-    parallel_state = importlib.import_module("vllm.distributed.parallel_state")  # this process's, while loading
+    parallel_state: Any = importlib.import_module("vllm.distributed.parallel_state")  # this process's, while loading
 
     class StatelessGroupCoordinator(parallel_state.GroupCoordinator):
         """The coordinator of an elastic-EP group (standby groups made at a reconfiguration)."""
@@ -139,7 +141,7 @@ def _stateless(m: types.ModuleType, world: "World") -> None:
     m.StatelessGroupCoordinator = StatelessGroupCoordinator
 
 
-def _pynccl(m: types.ModuleType, world: "World") -> None:
+def _pynccl(m: Module, world: "World") -> None:
     class PyNcclCommunicator:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise RuntimeError("NCCL is not modelled by epsim; use the 'nixl' EPLB communicator")
@@ -147,7 +149,7 @@ def _pynccl(m: types.ModuleType, world: "World") -> None:
     m.PyNcclCommunicator = PyNcclCommunicator
 
 
-def _pynccl_wrapper(m: types.ModuleType, world: "World") -> None:
+def _pynccl_wrapper(m: Module, world: "World") -> None:
     class ncclDataTypeEnum:  # noqa: N801 - vLLM's name
         @staticmethod
         def supports_torch_dtype(dtype: Any) -> bool:
@@ -164,15 +166,15 @@ def is_weak_contiguous(t: torch.Tensor) -> bool:
             == t.numel() * t.element_size())
 
 
-def _dist_utils(m: types.ModuleType, world: "World") -> None:
+def _dist_utils(m: Module, world: "World") -> None:
     m.is_weak_contiguous = is_weak_contiguous
 
 
-def _gpu_sync_debug(m: types.ModuleType, world: "World") -> None:
+def _gpu_sync_debug(m: Module, world: "World") -> None:
     m.gpu_sync_allowed = contextlib.nullcontext
 
 
-def _torch_utils(m: types.ModuleType, world: "World") -> None:
+def _torch_utils(m: Module, world: "World") -> None:
     m.PIN_MEMORY = False
 
 
@@ -183,7 +185,7 @@ class World:
         self.platform = "cuda"
 
 
-STANDINS: dict[str, Callable[[types.ModuleType, World], None]] = {
+STANDINS: dict[str, Callable[[Module, World], None]] = {
     "vllm.logger": _logger,
     "vllm.platforms": _platforms,
     "vllm.config": _config,

@@ -112,7 +112,7 @@ class ArenaNixlCommunicator(NixlReadCommunicator):
             return
         self._xfer_handles = []
         self._release_handles(quiet=True)
-        self._arena = None
+        del self._arena
         with contextlib.suppress(Exception):
             _release_arena(arena)
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from sim.eplb.communicators.base import EplbCommunicator
+
+if TYPE_CHECKING:
+    import numpy as np
 
 INIT_AGENT = "NIXL_INIT_AGENT"
 
@@ -142,7 +145,7 @@ class NixlReadCommunicator(EplbCommunicator):
         return meta
 
     # -- the communicator interface -----------------------------------------------------------------------
-    def set_transfer_context(self, old_indices: Sequence[int], layer_idx: int) -> None:
+    def set_transfer_context(self, old_indices: np.ndarray | Sequence[int], layer_idx: int) -> None:
         if not self._remote_ready:
             self._init_remote_state()
         assert not self._xfer_handles, "set_transfer_context with transfers still pending"

@@ -107,13 +107,14 @@ def _fresh_file(name: str, module_name: str):
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
     unique = f"{module_name}{FRESH_MARK}{next(_instances)}"
     package = spec.submodule_search_locations  # not None: the factory lives in a package's __init__
-    spec = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package)
-    module = importlib.util.module_from_spec(spec)
+    fresh = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package)
+    assert fresh is not None and fresh.loader is not None  # a source file's spec, as checked above
+    module = importlib.util.module_from_spec(fresh)
     # Relative imports resolve in the real package: the module's parent, or the package itself for an __init__.
     module.__package__ = module_name if package is not None else module_name.rpartition(".")[0]
     sys.modules[unique] = module  # dataclasses and pickling look classes' modules up here
     try:
-        spec.loader.exec_module(module)
+        fresh.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's module failing to import (or calling
         # sys.exit while it imports) is their error, in one line
         raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import uuid
 from typing import Any, Sequence
 
-from sim.eplb.communicators.base import EplbCommunicator
 from sim.eplb.communicators.nixl_read import NixlReadCommunicator
 
 
@@ -33,7 +32,7 @@ class SharedAgentNixlCommunicator(NixlReadCommunicator):
     """A communicator on an agent it made, or on the agent of the communicator it replaces."""
 
     def __init__(self, group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-                 prev_communicator: EplbCommunicator | None = None) -> None:
+                 prev_communicator: SharedAgentNixlCommunicator | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         super().__init__(group, expert_weights, expert_buffer)
@@ -58,5 +57,5 @@ class SharedAgentNixlCommunicator(NixlReadCommunicator):
 
 
 def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-           prev_communicator: EplbCommunicator | None = None) -> SharedAgentNixlCommunicator:
+           prev_communicator: Any = None) -> SharedAgentNixlCommunicator:  # one of these, when given
     return SharedAgentNixlCommunicator(group, expert_weights, expert_buffer, prev_communicator)
