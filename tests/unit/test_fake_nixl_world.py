@@ -534,3 +534,12 @@ def test_restart_in_place_keeps_the_name_and_the_wrapper_and_changes_the_connect
     pair.b.remove_remote_agent("A")
     pair.b.add_remote_agent(pair.a.get_agent_metadata())
     assert pair.read_to_done() == "DONE" and torch.equal(pair.u, pair.t)
+
+
+def test_a_descriptor_list_of_a_shape_pybind_takes_no_constructor_for_is_refused_by_name():
+    """A tuple of tuples (or any other shape than a list, an Nx3 array or a size) is a TypeError naming what was
+    given, as pybind11's is; the constructor's own ``type`` keyword (NIXL's name) must not shadow the builtin."""
+    dram = _bindings.nixl_mem_t.DRAM_SEG
+    for cls in (_bindings.nixlXferDList, _bindings.nixlRegDList):
+        with pytest.raises(TypeError, match=r"incompatible constructor arguments; got tuple"):
+            cls(dram, ((1, 2, 3),))
