@@ -37,6 +37,10 @@ PROBE = (sys.executable, "-m", "real_backends.probe")
 # The longest one case may take before its child counts as hung: the slowest real cases (a peer killed mid-READ, a
 # progress thread left to time out) take seconds; a GPU host's first CUDA context tens of seconds.
 CASE_TIMEOUT_S = 300.0
+# The longest a child may take to announce its first case: its imports and its backend's start (torch, NIXL's
+# agent, UCX).  Kept apart from the per-case bound so that a tight bound (a test's, a user's) does not read a
+# start-up slowed by a loaded machine as a hang in the first case.
+START_TIMEOUT_S = 120.0
 
 
 def validate(backend: str, profile: str | None, memory: str) -> None:
@@ -49,11 +53,13 @@ def validate(backend: str, profile: str | None, memory: str) -> None:
 
 
 def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
-        probe: tuple[str, ...] = PROBE, case_timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+        probe: tuple[str, ...] = PROBE, case_timeout_s: float = CASE_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
     """The catalogue's report (``real_backends.probe.summarise``) with ``notes``: one line per child that died.
 
     ``probe`` is the child's command line before its arguments (a test gives one that dies on purpose); a child
-    that reports nothing for ``case_timeout_s`` (a case that hangs) is killed, as if it had died in that case."""
+    that reports nothing for ``case_timeout_s`` (a case that hangs), or nothing at all for ``start_timeout_s`` after
+    it started, is killed, as if it had died in that case."""
     validate(backend, profile, memory)
     chosen = default_profile(profile, memory)
     deadline = time.monotonic() + timeout_s
@@ -64,7 +70,8 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
         left = [name for name in CASES if name not in results]
         # a case that killed its child once runs alone, so a second death is that case's and nothing else's
         batch = left[:1] if left[0] in died_once else left
-        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results), case_timeout_s)
+        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results),
+                      (start_timeout_s, case_timeout_s))
         results.update(child.finished)
         if child.death is None:
             continue
@@ -103,9 +110,10 @@ class _Ended:
 
 
 def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names: list[str], deadline: float,
-          timeout_s: float, observed: int, case_timeout_s: float) -> _Ended:
-    """Run ``names`` in one child, reading its cases as it reports them.  A child silent for ``case_timeout_s``
-    (a case that hangs) is killed and reads as a death, like a crash."""
+          timeout_s: float, observed: int, quiet_s: tuple[float, float]) -> _Ended:
+    """Run ``names`` in one child, reading its cases as it reports them.  A child silent for too long (``quiet_s``:
+    before its first line, then between two) is killed and reads as a death, like a crash."""
+    start_timeout_s, case_timeout_s = quiet_s
     cmd = [*probe, "--backend", backend, "--profile", profile, "--memory", memory, "--stream"]
     for name in names:
         cmd += ["--case", name]
@@ -120,7 +128,7 @@ def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names
     for reader in readers:
         reader.start()
     ended, hung = _Ended(), False
-    quiet_until = time.monotonic() + case_timeout_s
+    quiet_until, allowed = time.monotonic() + start_timeout_s, start_timeout_s
     try:
         while True:
             now = time.monotonic()
@@ -138,7 +146,7 @@ def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names
             msg = _ours(line)
             if msg is None:
                 continue
-            quiet_until = time.monotonic() + case_timeout_s
+            quiet_until, allowed = time.monotonic() + case_timeout_s, case_timeout_s
             if "starting" in msg:
                 ended.started = msg["starting"]
             else:
@@ -151,7 +159,7 @@ def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names
         for reader in readers:
             reader.join(10)
     if hung:
-        ended.death = f"no answer within {case_timeout_s:g} s, killed"
+        ended.death = f"no answer within {allowed:g} s, killed"
         return ended
     if all(name in ended.finished for name in names):
         return ended

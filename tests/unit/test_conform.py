@@ -88,6 +88,20 @@ def test_a_case_that_hangs_is_killed_and_counts_as_a_death(dies):
     assert report["notes"][0].startswith(f"{VICTIM}: the catalogue's process died in it (no answer within 3 s")
 
 
+def test_a_slow_start_is_not_a_hang_in_the_first_case(dies):
+    """The per-case bound starts at the child's first line: its imports and its backend's start have their own."""
+    dies(1, victim=list(CASES)[0], how="slow", where="start")
+    report = conform.run("fake", None, "dram", probe=DYING, case_timeout_s=4)
+    assert {c["outcome"] for c in report["cases"]} == {"pass"} and report["notes"] == []
+
+
+def test_a_start_that_never_ends_is_killed_after_its_own_bound(dies):
+    dies(1, victim=list(CASES)[0], how="hang", where="start")
+    with pytest.raises(BackendUnavailable, match="^the conformance run on fake NIXL produced no result: no answer "
+                                                 "within 2 s, killed$"):
+        conform.run("fake", None, "dram", probe=DYING, case_timeout_s=30, start_timeout_s=2)
+
+
 def test_the_first_case_dying_again_at_start_is_its_observation_not_an_unavailable_backend(dies):
     """Found by review: with nothing observed yet, the first case's run-alone process dying while it starts read
     as a backend that cannot run the catalogue at all."""
