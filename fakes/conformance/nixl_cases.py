@@ -1,5 +1,6 @@
 """The catalogue.  Each case returns its observation; the decorator says what ``dram`` (and any differing profile)
-expects.  Names say the behaviour; docstrings say the reference row it pins (shared/reference/nixl-1.5.1.md)."""
+expects.  Names say the behaviour; docstrings say the fact it pins (``Fact 21:``, numbered as in
+docs/reference/nixl-1.5.1.md, whose table names the cases that check each fact)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def _read(b: Backend, bb, u, t, remote="A", notif=b""):
 # -- agents and backends ------------------------------------------------------------------------------------
 @case("ValueError")
 def agent_empty_name(b: Backend):
-    """Row 2: an empty agent name is refused by the constructor."""
+    """Fact 2: an empty agent name is refused by the constructor."""
     return observe(lambda: b.agent(""))
 
 
 @case([[], ["DRAM_SEG", "VRAM_SEG"]])
 def agent_unknown_backend_is_skipped(b: Backend):
-    """Row 2: a backend without a plugin is skipped with a warning; UCX offers DRAM and VRAM."""
+    """Fact 2: a backend without a plugin is skipped with a warning; UCX offers DRAM and VRAM."""
     x = b.agent("X", backends=["NOPE"])
     y = b.agent("Y")
     return [list(x.backends), y.get_backend_mem_types("UCX")]
@@ -50,14 +51,14 @@ def agent_unknown_backend_is_skipped(b: Backend):
 
 @case(["nixlInvalidParamError", "nixlNotFoundError"])
 def create_backend_twice_or_unknown(b: Backend):
-    """Row 2: creating UCX again is INVALID_PARAM; an unknown plugin is NOT_FOUND."""
+    """Fact 2: creating UCX again is INVALID_PARAM; an unknown plugin is NOT_FOUND."""
     a = b.agent("A")
     return [observe(lambda: a.create_backend("UCX")), observe(lambda: a.create_backend("NOPE"))]
 
 
 @case([True, "nixlNotAllowedError", "A"])
 def duplicate_agent_name(b: Backend):
-    """Row 1: two agents may share a name; a peer that knows the first refuses the second's metadata."""
+    """Fact 1: two agents may share a name; a peer that knows the first refuses the second's metadata."""
     a1, a2, p = b.agent("A"), b.agent("A"), b.agent("P")
     p.add_remote_agent(a1.get_agent_metadata())
     return [a1.get_agent_metadata() != a2.get_agent_metadata(),
@@ -68,7 +69,7 @@ def duplicate_agent_name(b: Backend):
 # -- registration ------------------------------------------------------------------------------------------
 @case([1, "DRAM_SEG", [N, 0, "b''"]])
 def register_tensor(b: Backend):
-    """Row 5: register_memory returns the nixlRegDList it registered, meta as bytes."""
+    """Fact 5: register_memory returns the nixlRegDList it registered, meta as bytes."""
     a, t = b.agent("A"), b.buf(N)
     descs = a.register_memory(t)
     addr, length, dev, meta = descs[0]
@@ -77,7 +78,7 @@ def register_tensor(b: Backend):
 
 @case([None, None, "DONE"], rocm_strict=[None, "nixlBackendError", "DONE"])
 def register_same_range_twice(b: Backend):
-    """Row 3: the same range registered twice is accepted (rocm-strict: the second is refused)."""
+    """Fact 3: the same range registered twice is accepted (rocm-strict: the second is refused)."""
     a, t = b.agent("A"), b.buf(N, 3)
     u = b.buf(N)
     first = observe(lambda: b.reg(a, t) and None)
@@ -90,7 +91,7 @@ def register_same_range_twice(b: Backend):
 
 @case([None, "nixlNotFoundError"], rocm_strict=["nixlBackendError", "nixlNotFoundError"])
 def register_overlapping_ranges(b: Backend):
-    """Row 4: overlapping ranges are accepted; a descriptor spanning two regions is NOT_FOUND at creation."""
+    """Fact 4: overlapping ranges are accepted; a descriptor spanning two regions is NOT_FOUND at creation."""
     a, t, u = b.agent("A"), b.buf(3 * 1024), b.buf(3 * 1024)
     b.reg(a, t, offset=0, length=2048)
     second = observe(lambda: b.reg(a, t, offset=1024, length=2048) and None)
@@ -101,7 +102,7 @@ def register_overlapping_ranges(b: Backend):
 
 @case(["TypeError", "TypeError", None])
 def register_bad_descriptor_shapes(b: Backend):
-    """Row 5: 3-tuples or a missing mem_type log an error and become a TypeError; an Nx3 array is accepted."""
+    """Fact 5: 3-tuples or a missing mem_type log an error and become a TypeError; an Nx3 array is accepted."""
     a, t = b.agent("A"), b.buf(N)
     rows = np.array([list(b.xd(t)[0])], dtype=np.uint64)
     return [observe(lambda: a.register_memory(b.xd(t), b.memory)),
@@ -111,7 +112,7 @@ def register_bad_descriptor_shapes(b: Backend):
 
 @case("TypeError")
 def register_noncontiguous_tensor(b: Backend):
-    """Row 5: a non-contiguous tensor is refused (logged, then TypeError)."""
+    """Fact 5: a non-contiguous tensor is refused (logged, then TypeError)."""
     import torch
 
     a = b.agent("A")
@@ -120,7 +121,7 @@ def register_noncontiguous_tensor(b: Backend):
 
 @case([None, None], needs=("host-memory", "no-cuda-context"))
 def register_degenerate_ranges(b: Backend):
-    """Row 6: zero length and a tiny address are accepted on DRAM (no validation).  Where UCX classifies memory
+    """Fact 6: zero length and a tiny address are accepted on DRAM (no validation).  Where UCX classifies memory
     through CUDA (VRAM on an H200, or host memory once the process has a CUDA context) it refuses them with
     nixlBackendError; the fake does not model that classification."""
     a, t = b.agent("A"), b.buf(N)
@@ -130,21 +131,21 @@ def register_degenerate_ranges(b: Backend):
 
 @case("nixlBackendError", cuda=None, rocm_strict=None)
 def register_as_vram(b: Backend):
-    """Row 7: the run's memory registered as VRAM: host memory is refused by UCX, device memory accepted."""
+    """Fact 7: the run's memory registered as VRAM: host memory is refused by UCX, device memory accepted."""
     a, t = b.agent("A"), b.buf(N)
     return observe(lambda: a.register_memory(b.rd(t), "VRAM") and None)
 
 
 @case("nixlNotFoundError")
 def register_file_type(b: Backend):
-    """Row 7: FILE memory has no backend in a UCX-only agent."""
+    """Fact 7: FILE memory has no backend in a UCX-only agent."""
     a, t = b.agent("A"), b.buf(N)
     return observe(lambda: a.register_memory(b.rd(t), "FILE"))
 
 
 @case(["nixlNotFoundError", "nixlNotFoundError", None, "nixlNotFoundError"])
 def deregister_matching(b: Backend):
-    """Row 8: exact match on (devId, addr, len), meta ignored; a second deregistration is NOT_FOUND."""
+    """Fact 8: exact match on (devId, addr, len), meta ignored; a second deregistration is NOT_FOUND."""
     a, t = b.agent("A"), b.buf(N)
     b.reg(a, t)
     (addr, n, dev, _), = b.rd(t)
@@ -156,7 +157,7 @@ def deregister_matching(b: Backend):
 
 @case(["nixlNotFoundError", True, "ok", "nixlNotFoundError", None])
 def deregister_all_or_nothing(b: Backend):
-    """Row 8, and a quirk of 1.5.1: a list with one unknown entry raises NOT_FOUND and deregisters nothing (the
+    """Fact 8, and a quirk of 1.5.1: a list with one unknown entry raises NOT_FOUND and deregisters nothing (the
     metadata is unchanged, the known entry is still usable locally and can still be deregistered), yet a loopback
     request naming that entry as its remote side is NOT_FOUND from then on."""
     a, t, u = b.agent("A"), b.buf(N, 5), b.buf(N)
@@ -197,7 +198,7 @@ def empty_descriptor_lists(b: Backend):
 # -- metadata ----------------------------------------------------------------------------------------------
 @case([True, True, True, True])
 def metadata_is_stable_and_grows(b: Backend):
-    """Row 9: metadata is bytes, identical when asked twice, and grows with every registered region."""
+    """Fact 9: metadata is bytes, identical when asked twice, and grows with every registered region."""
     a = b.agent("A")
     sizes = [len(a.get_agent_metadata())]
     bufs = [b.buf(N, 1), b.buf(N, 2)]  # kept alive: a freed buffer's address comes back for the next one
@@ -210,7 +211,7 @@ def metadata_is_stable_and_grows(b: Backend):
 
 @case(["nixlNotFoundError", "A", "DONE", "DONE"])
 def stale_metadata_until_reload(b: Backend):
-    """Row 10: a region registered after the peer loaded us is NOT_FOUND there until it reloads; the reload is
+    """Fact 10: a region registered after the peer loaded us is NOT_FOUND there until it reloads; the reload is
     additive and the old handle stays valid."""
     a, t, bb, u = _pair(b)
     old, _ = _read(b, bb, u, t)
@@ -228,7 +229,7 @@ def stale_metadata_until_reload(b: Backend):
 
 @case([True, "A", "DONE"], rdma=[False, "nixlNotAllowedError", "nixlRemoteDisconnectError"])
 def reregister_same_range(b: Backend):
-    """Row 11: deregister + register of the same range gives byte-identical metadata; the peer's reload is fine and
+    """Fact 11: deregister + register of the same range gives byte-identical metadata; the peer's reload is fine and
     its old handle still posts.  rdma: a new remote key, refused on reload; the old handle fails."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
@@ -243,7 +244,7 @@ def reregister_same_range(b: Backend):
 
 @case(["nixlInvalidParamError", "nixlMismatchError", "nixlMismatchError", "nixlMismatchError"])
 def load_bad_metadata(b: Backend):
-    """Row 12: own metadata is INVALID_PARAM; garbage, empty or truncated bytes are MISMATCH."""
+    """Fact 12: own metadata is INVALID_PARAM; garbage, empty or truncated bytes are MISMATCH."""
     a, bb = b.agent("A"), b.agent("B")
     md = bb.get_agent_metadata()
     return [observe(lambda: a.add_remote_agent(a.get_agent_metadata())), observe(lambda: a.add_remote_agent(b"x")),
@@ -252,7 +253,7 @@ def load_bad_metadata(b: Backend):
 
 @case(["bytes", "A", "A"])
 def load_same_metadata_twice(b: Backend):
-    """Row 13: add_remote_agent returns the name as bytes, and the same metadata again is a no-op success."""
+    """Fact 13: add_remote_agent returns the name as bytes, and the same metadata again is a no-op success."""
     a, bb = b.agent("A"), b.agent("B")
     first = bb.add_remote_agent(a.get_agent_metadata())
     second = bb.add_remote_agent(a.get_agent_metadata())
@@ -261,7 +262,7 @@ def load_same_metadata_twice(b: Backend):
 
 @case([False, True, True, False])
 def check_remote_metadata(b: Backend):
-    """Row 14: False before loading, True after (also with no regions), with descriptors True only if covered."""
+    """Fact 14: False before loading, True after (also with no regions), with descriptors True only if covered."""
     a, t = b.agent("A"), b.buf(N)
     bb = b.agent("B")
     before = bb.check_remote_metadata("A")
@@ -290,7 +291,7 @@ def partial_metadata(b: Backend):
 
 @case(["nixlInvalidParamError"] * 3)
 def metadata_exchange_without_store(b: Backend):
-    """Row 15: send/fetch/invalidate with no address and no central store are INVALID_PARAM."""
+    """Fact 15: send/fetch/invalidate with no address and no central store are INVALID_PARAM."""
     a = b.agent("A")
     return [observe(a.invalidate_local_metadata), observe(a.send_local_metadata),
             observe(lambda: a.fetch_remote_metadata("B"))]
@@ -298,7 +299,7 @@ def metadata_exchange_without_store(b: Backend):
 
 @case(["nixlNotFoundError", "nixlNotSupportedError", "nixlNoTelemetryError", [0, 0, "UNKNOWN"], "UCX"])
 def misc_queries(b: Backend):
-    """Row 16: make_connection to an unknown peer, query_memory, telemetry off, the cost estimate, the backend."""
+    """Fact 16: make_connection to an unknown peer, query_memory, telemetry off, the cost estimate, the backend."""
     a, t, bb, u = _pair(b)
     h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
     return [observe(lambda: bb.make_connection("X")), observe(lambda: a.query_memory(b.rd(t), "UCX", b.memory)),
@@ -308,7 +309,7 @@ def misc_queries(b: Backend):
 # -- transfers ---------------------------------------------------------------------------------------------
 @case([True, "DONE", True])
 def read_initialize_xfer(b: Backend):
-    """Row 17: a READ through initialize_xfer moves the bytes; transfer() says PROC or DONE."""
+    """Fact 17: a READ through initialize_xfer moves the bytes; transfer() says PROC or DONE."""
     a, t, bb, u = _pair(b)
     h, first = _read(b, bb, u, t)
     return [first in ("PROC", "DONE"), _finish(b, bb, h), b.same(t, u)]
@@ -316,7 +317,7 @@ def read_initialize_xfer(b: Backend):
 
 @case([True, "DONE", True])
 def write_initialize_xfer(b: Backend):
-    """Row 17: a WRITE moves the bytes to the target."""
+    """Fact 17: a WRITE moves the bytes to the target."""
     a, t, bb, u = _pair(b)
     u.fill_(11)
     h = bb.initialize_xfer("WRITE", b.descs(bb, u), b.descs(bb, t), "A")
@@ -337,7 +338,7 @@ def first_write_waits_for_the_endpoint(b: Backend):
 
 @case(["DONE", True, "DONE", True])
 def read_prepped(b: Backend):
-    """Row 21: prep_xfer_dlist + make_prepped_xfer with int32 or int64 numpy indices."""
+    """Fact 21: prep_xfer_dlist + make_prepped_xfer with int32 or int64 numpy indices."""
     a, t, bb, u = _pair(b)
     half = N // 2
     local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u, 0, half) + b.xd(u, half, half), b.memory)
@@ -353,7 +354,7 @@ def read_prepped(b: Backend):
 
 @case([{"B": ["hi"]}, {"B": ["x", "x"]}])
 def transfer_notifications(b: Backend):
-    """Row 19: the target receives the notif after the transfer; an override at transfer() persists."""
+    """Fact 19: the target receives the notif after the transfer; an override at transfer() persists."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t, notif=b"hi")
     _finish(b, bb, h)
@@ -379,7 +380,7 @@ def _collect(a, got: dict) -> dict:
 
 @case(["PROC", True, {}, "DONE", {"B": ["n"]}], transport="tcp")
 def notification_waits_for_the_initiators_check(b: Backend):
-    """Row 19: the notification of a READ in flight at its post is sent by the initiator's check that finds it done:
+    """Fact 19: the notification of a READ in flight at its post is sent by the initiator's check that finds it done:
     with the bytes landed and no check, the target has nothing (observed on tcp, 1.5.1)."""
     a, t, bb, u = _pair(b, 1 << 20)
     h, first = _read(b, bb, u, t, notif=b"n")
@@ -396,7 +397,7 @@ def notification_waits_for_the_initiators_check(b: Backend):
 
 @case(["PROC", None, True, {}], transport="tcp")
 def released_in_flight_still_lands(b: Backend):
-    """Row 22: releasing a READ still in flight returns at once and does not cancel it: its bytes land (16 MiB over
+    """Fact 22: releasing a READ still in flight returns at once and does not cancel it: its bytes land (16 MiB over
     tcp here; a whole 1 GiB READ or WRITE when probed), and its notification is never sent."""
     a, t, bb, u = _pair(b, 16 << 20)
     h, first = _read(b, bb, u, t, notif=b"n")
@@ -420,7 +421,7 @@ def standalone_notification(b: Backend):
 
 @case(["DONE", True])
 def repost_done_handle(b: Backend):
-    """Row 17: a DONE handle can be posted again and moves the current bytes."""
+    """Fact 17: a DONE handle can be posted again and moves the current bytes."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
     _finish(b, bb, h)
@@ -441,7 +442,7 @@ def repost_active_handle(b: Backend):
 
 @case(["nixlNotFoundError", "KeyError"])
 def unknown_peer_or_operation(b: Backend):
-    """Row 20: an unknown remote agent is NOT_FOUND; an unknown operation string is a KeyError."""
+    """Fact 20: an unknown remote agent is NOT_FOUND; an unknown operation string is a KeyError."""
     a, t, bb, u = _pair(b)
     return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "X")),
             observe(lambda: bb.initialize_xfer("MOVE", b.descs(bb, u), b.descs(bb, t), "A"))]
@@ -449,7 +450,7 @@ def unknown_peer_or_operation(b: Backend):
 
 @case(["nixlNotFoundError"] * 4)
 def descriptor_outside_registration(b: Backend):
-    """Row 20: a local or remote descriptor outside every registration (even 4 B past the end) is NOT_FOUND at
+    """Fact 20: a local or remote descriptor outside every registration (even 4 B past the end) is NOT_FOUND at
     creation and at preparation."""
     a, t, bb, u = _pair(b)
     past = b.xd(t, offset=4, length=N)
@@ -462,7 +463,7 @@ def descriptor_outside_registration(b: Backend):
 
 @case(["RuntimeError"] * 4 + ["ok", "TypeError"] + ["ValueError"] * 3 + [2 ** 64 - 8, "RuntimeError", "TypeError"])
 def descriptor_numbers_as_the_bindings_cast_them(b: Backend):
-    """Rows 5 and 20: addresses, lengths and devices are uint64 to pybind11: a float (a stride computed with `/`),
+    """Facts 5 and 20: addresses, lengths and devices are uint64 to pybind11: a float (a stride computed with `/`),
     a negative number or one past 2^64 is a RuntimeError, numpy integers are fine; a tuple of tuples is no list;
     numpy lists must be 64-bit integers in C order, and a negative int64 reads back as uint64; a meta that is no
     string or bytes is refused at registration."""
@@ -486,7 +487,7 @@ def descriptor_numbers_as_the_bindings_cast_them(b: Backend):
 
 @case(["nixlInvalidParamError", "nixlInvalidParamError"])
 def length_or_count_mismatch(b: Backend):
-    """Row 20: different lengths or descriptor counts are INVALID_PARAM."""
+    """Fact 20: different lengths or descriptor counts are INVALID_PARAM."""
     a, t, bb, u = _pair(b)
     two = b.xd(t, 0, N // 2) + b.xd(t, N // 2, N // 2)
     return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(b.xd(t, 0, N // 2),
@@ -496,7 +497,7 @@ def length_or_count_mismatch(b: Backend):
 
 @case(["DONE", "DONE", True])
 def zero_length_and_loopback(b: Backend):
-    """Row 20: a zero-length descriptor is fine; a transfer to one's own name (loopback) moves bytes."""
+    """Fact 20: a zero-length descriptor is fine; a transfer to one's own name (loopback) moves bytes."""
     a, t = b.agent("A"), b.buf(N, 4)
     u = b.buf(N)
     b.reg(a, t)
@@ -511,7 +512,7 @@ def zero_length_and_loopback(b: Backend):
 
 @case(["nixlInvalidParamError"] * 5)
 def prepped_bad_indices(b: Backend):
-    """Row 21: out-of-range, negative or empty indices, a count mismatch and swapped sides are INVALID_PARAM."""
+    """Fact 21: out-of-range, negative or empty indices, a count mismatch and swapped sides are INVALID_PARAM."""
     a, t, bb, u = _pair(b)
     local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u), b.memory)
     remote = bb.prep_xfer_dlist("A", b.xd(t), b.memory)
@@ -540,7 +541,7 @@ def prepped_index_types(b: Backend):
 
 @case(["DONE", "nixlInvalidParamError"])
 def released_dlists(b: Backend):
-    """Row 21-22: a request made before its dlists were released still posts; making one afterwards fails."""
+    """Fact 21-22: a request made before its dlists were released still posts; making one afterwards fails."""
     a, t, bb, u = _pair(b)
     local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u), b.memory)
     remote = bb.prep_xfer_dlist("A", b.xd(t), b.memory)
@@ -553,7 +554,7 @@ def released_dlists(b: Backend):
 
 @case([None, None, "DONE"], hardened=[None, None, "nixlInvalidParamError"])
 def release_twice_then_check(b: Backend):
-    """Row 22: a second release is a silent no-op; checking a released handle reads a stale DONE (stricter
+    """Fact 22: a second release is a silent no-op; checking a released handle reads a stale DONE (stricter
     profiles raise instead)."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
@@ -564,7 +565,7 @@ def release_twice_then_check(b: Backend):
 
 @case("SIGSEGV", isolate=True, hardened="nixlInvalidParamError")
 def post_released_handle(b: Backend):
-    """Row 22: posting a released request kills the process in 1.5.1 (also on H200 VRAM); the fake raises
+    """Fact 22: posting a released request kills the process in 1.5.1 (also on H200 VRAM); the fake raises
     instead in every profile but dram."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
@@ -575,7 +576,7 @@ def post_released_handle(b: Backend):
 
 @case(["DONE", True, "nixlNotFoundError"], rdma=["nixlBackendError", False, "nixlNotFoundError"])
 def local_deregister_then_post(b: Backend):
-    """Row 23: after the initiator deregisters its buffer an existing handle still posts (cma); a new request
+    """Fact 23: after the initiator deregisters its buffer an existing handle still posts (cma); a new request
     is NOT_FOUND.  rdma: the stale local key fails the post."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
@@ -588,7 +589,7 @@ def local_deregister_then_post(b: Backend):
 
 @case(["DONE", True], rdma=["nixlRemoteDisconnectError", False])
 def target_deregister_then_post(b: Backend):
-    """Row 24: the target deregistering does not stop a peer's handle (no remote check on cma/NVLink)."""
+    """Fact 24: the target deregistering does not stop a peer's handle (no remote check on cma/NVLink)."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
     _finish(b, bb, h)
@@ -599,7 +600,7 @@ def target_deregister_then_post(b: Backend):
 
 @case("nixlRemoteDisconnectError", needs=("host-memory",))
 def target_unmaps_memory(b: Backend):
-    """Row 25: the target deregisters and unmaps; the next post fails the endpoint with RemoteDisconnect."""
+    """Fact 25: the target deregisters and unmaps; the next post fails the endpoint with RemoteDisconnect."""
     a, bb, u = b.agent("A"), b.agent("B"), b.buf(N)
     m = b.mmap(N)
     a.register_memory(m.rd(), "DRAM")
@@ -683,7 +684,7 @@ def never_posted_towards_removed_peer(b: Backend):
 
 @case(["A", "nixlNotFoundError", "DONE"])
 def remove_and_readd(b: Backend):
-    """Row 26: after remove + add, new handles work and the old ones stay NOT_FOUND."""
+    """Fact 26: after remove + add, new handles work and the old ones stay NOT_FOUND."""
     a, t, bb, u = _pair(b)
     old, _ = _read(b, bb, u, t)
     _finish(b, bb, old)
@@ -696,7 +697,7 @@ def remove_and_readd(b: Backend):
 @case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", None, "nixlRemoteDisconnectError",
        "nixlNotAllowedError", "A", "nixlNotFoundError", "DONE"])
 def destroyed_peer(b: Backend):
-    """Row 26: a destroyed peer stays known (check True), posts and notifs raise RemoteDisconnect, new requests can
+    """Fact 26: a destroyed peer stays known (check True), posts and notifs raise RemoteDisconnect, new requests can
     still be made; a new agent under its name is NOT_ALLOWED until it is removed; old handles are then NOT_FOUND."""
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
@@ -719,7 +720,7 @@ def destroyed_peer(b: Backend):
 
 @case(["DONE", "nixlRemoteDisconnectError"])
 def handle_keeps_agent_alive(b: Backend):
-    """Row 27: dropping the Python agent while one of its handles lives keeps the C++ agent (peers still read
+    """Fact 27: dropping the Python agent while one of its handles lives keeps the C++ agent (peers still read
     from it); dropping the handle destroys it."""
     a, t, bb, u = _pair(b)
     keep = a.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(t), b.memory)
@@ -735,7 +736,7 @@ def handle_keeps_agent_alive(b: Backend):
 
 @case(["PROC", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError"], transport="tcp")
 def target_destroyed_in_flight(b: Backend):
-    """Row 26 (tcp): a READ still in flight (the first one on a new connection) when its target is destroyed
+    """Fact 26 (tcp): a READ still in flight (the first one on a new connection) when its target is destroyed
     raises RemoteDisconnect at the next check, and keeps raising it."""
     # Long enough over tcp to outlast the destructor (~0.1 s): 512 MiB once finished first on a 2-core CI machine.
     a, t, bb, u = _pair(b, 1 << 30)
@@ -872,7 +873,7 @@ def two_process_read(b: Backend):
 @case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", True, "nixlNotAllowedError", "A", "DONE"],
       transport="tcp")
 def kill_target_mid_read(b: Backend):
-    """Row 30 (tcp): SIGKILL the target during a READ: the next check raises RemoteDisconnect, later posts too, the
+    """Fact 30 (tcp): SIGKILL the target during a READ: the next check raises RemoteDisconnect, later posts too, the
     peer stays known; a restarted target under the same name is NOT_ALLOWED until removed, then works."""
     p = b.peer("A", 256 << 20)  # large enough that the READ is still in flight when the kill lands
     bb, u = b.agent("B"), b.buf(p.nbytes, 0)
@@ -898,7 +899,7 @@ def kill_target_mid_read(b: Backend):
 
 @case([{"B": ["hello"]}, "nixlRemoteDisconnectError", True])
 def kill_initiator(b: Backend):
-    """Row 31: the initiator dies; the target is not told: its notif to the dead peer raises RemoteDisconnect and
+    """Fact 31: the initiator dies; the target is not told: its notif to the dead peer raises RemoteDisconnect and
     check_remote_metadata stays True."""
     a, t = b.agent("A"), b.buf(N, PATTERN)
     b.reg(a, t)

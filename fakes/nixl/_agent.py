@@ -1,8 +1,8 @@
 """The fake ``nixlAgent`` core: identity, backends and lifetime.  Call families live in mixins beside it.
 
 Lifetime follows the real one: the Python ``nixl_agent`` and every handle wrapper hold this object, so it dies when
-the last of them does (row 27 of the reference); its ``__del__`` is NIXL's destructor: deregister everything, unload
-peers, stop.  Peers are not told (row 28); they find out at their next operation.
+the last of them does (fact 27 of docs/reference/nixl-1.5.1.md); its ``__del__`` is NIXL's destructor: deregister
+everything, unload peers, stop.  Peers are not told (fact 28); they find out at their next operation.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
         self.pid = fabric.current_process()
         fabric.agent_made(self.pid)
         self.uid = fabric.new_id()
-        # Connection identity: what a peer compares when the same name is loaded again (row 1).
+        # Connection identity: what a peer compares when the same name is loaded again (fact 1).
         self.conn = f"ucx://{self.pid}/{self.uid:x}/{name}"
         self.destroyed = False
         self.backends: dict[int, str] = {}

@@ -43,7 +43,7 @@ class _Handle:
 
     def __init__(self, agent: nixlBind.nixlAgent, value: int) -> None:
         self._handle = int(value)
-        self._agent = agent  # holding the core keeps the agent alive while the handle lives (row 27)
+        self._agent = agent  # holding the core keeps the agent alive while the handle lives (fact 27)
         self._released = False
 
     def __repr__(self) -> str:
@@ -300,7 +300,7 @@ class nixl_agent:
         return self.agent.getLocalPartialMD(descs, inc_conn_info, self._handles(backends))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
-        return self.agent.loadRemoteMD(metadata)  # bytes, as in 1.5.1 (row 13)
+        return self.agent.loadRemoteMD(metadata)  # bytes, as in 1.5.1 (fact 13)
 
     def remove_remote_agent(self, agent: str) -> None:
         self.agent.invalidateRemoteMD(agent)

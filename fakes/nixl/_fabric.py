@@ -144,7 +144,7 @@ class FakeFabric:
             return 3.0
         # cma on one host: a transfer on a connected endpoint is done when transfer() returns; the first one
         # towards a peer, READ or WRITE, waits for the endpoint's wire-up, i.e. the next progress step (1.5.1 gave
-        # PROC for a first WRITE in every fresh process tried, 4 KiB and 1 MiB, where the reference's row 17 says
+        # PROC for a first WRITE in every fresh process tried, 4 KiB and 1 MiB, where fact 17 says
         # DONE: it measured WRITEs on endpoints a READ had connected).
         return 0.0 if wired else 1.0
 
@@ -208,7 +208,7 @@ class FakeFabric:
         return pid
 
     def kill_process(self, pid: int) -> None:
-        """SIGKILL: the process's agents vanish without a word to their peers, as with real NIXL (rows 30, 31)."""
+        """SIGKILL: the process's agents vanish without a word to their peers, as with real NIXL (facts 30, 31)."""
         # The simulator names its processes itself (whoami); the fabric learns of one when it dies.
         proc = self.processes.setdefault(pid, _SimProcess(pid, f"proc{pid}"))
         proc.alive = False

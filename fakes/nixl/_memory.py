@@ -1,10 +1,9 @@
 """Registration and the agent's own metadata.
 
-Facts reproduced (reference rows 3-9, 11): no duplicate or overlap check (except in the ``rocm-strict`` profile);
-a batch is all-or-nothing; deregistration matches (devId, addr, len) exactly, ignores the meta string, and removes
-nothing if any entry misses; metadata is deterministic and, on stable-key profiles, byte-identical after a range is
-deregistered and registered again.
-"""
+Facts reproduced (docs/reference/nixl-1.5.1.md, facts 3-9, 11): no duplicate or overlap check (except in the
+``rocm-strict`` profile); a batch is all-or-nothing; deregistration matches (devId, addr, len) exactly, ignores the meta
+string, and removes nothing if any entry misses; metadata is deterministic and, on stable-key profiles, byte-identical
+after a range is deregistered and registered again."""
 
 from __future__ import annotations
 
@@ -158,7 +157,7 @@ class MemoryMixin(AgentParts):
 
     def _key_for(self, mem: int, addr: int, length: int, dev: int) -> int:
         if self.fabric.profile.stable_keys:
-            # cma and NVLink: the "key" is a function of the range, so re-registration changes nothing (row 11).
+            # cma and NVLink: the "key" is a function of the range, so re-registration changes nothing (fact 11).
             return (addr * 31 + length * 7 + dev * 3 + mem) & 0xFFFF_FFFF
         return self.fabric.new_id()
 

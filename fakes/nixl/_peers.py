@@ -1,13 +1,12 @@
 """Peers: loading metadata, removing peers, checking them, and notifications.
 
-Facts reproduced (rows 1, 10, 12-14, 26, 30, 31): a name comes back as bytes; the same connection loaded again is a
-no-op success whose sections are merged (never removed); a new connection under a known name is NOT_ALLOWED until
-the peer is removed; a destroyed or killed peer stays "known" (``check_remote_metadata`` is True) and every post or
-notification towards it raises ``nixlRemoteDisconnectError``; removing a peer invalidates handles made towards it.
-Observed on 1.5.1 since (the catalogue's ``peer_gone_before_load`` and ``own_name``): loading the metadata of an
-agent that is already gone is ``nixlBackendError`` (UCX connects while loading) and leaves no peer; an agent knows
-its own name (checked with no descriptors, and as a notification target).
-"""
+Facts reproduced (docs/reference/nixl-1.5.1.md, facts 1, 10, 12-14, 26, 30, 31): a name comes back as bytes; the same
+connection loaded again is a no-op success whose sections are merged (never removed); a new connection under a known
+name is NOT_ALLOWED until the peer is removed; a destroyed or killed peer stays "known" (``check_remote_metadata`` is
+True) and every post or notification towards it raises ``nixlRemoteDisconnectError``; removing a peer invalidates
+handles made towards it. Observed on 1.5.1 since (the catalogue's ``peer_gone_before_load`` and ``own_name``): loading
+the metadata of an agent that is already gone is ``nixlBackendError`` (UCX connects while loading) and leaves no peer;
+an agent knows its own name (checked with no descriptors, and as a notification target)."""
 
 from __future__ import annotations
 

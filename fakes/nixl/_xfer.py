@@ -1,12 +1,11 @@
 """Transfers: descriptor-list preparation, requests, posting, state checks and release.
 
-Facts reproduced (rows 4, 17-27): checks happen when a request is created, never at post; a request made from
-prepared lists that were released later still posts; state is only DONE or PROC and every error raises; DONE is
-sticky and a DONE request can be reposted; reposting one in flight is REPOST_ACTIVE; a request towards a peer that
-was removed (or removed and added again) is NOT_FOUND; deregistration does not stop a transfer on cma/NVLink; a
-request released in flight still lands; a notification is sent by the check that finds its request complete.
-Where 1.5.1 crashes the process (posting a released request), the ``dram`` profile raises :class:`SimulatedCrash`.
-"""
+Facts reproduced (docs/reference/nixl-1.5.1.md, facts 4, 17-27): checks happen when a request is created, never at post;
+a request made from prepared lists that were released later still posts; state is only DONE or PROC and every error
+raises; DONE is sticky and a DONE request can be reposted; reposting one in flight is REPOST_ACTIVE; a request towards a
+peer that was removed (or removed and added again) is NOT_FOUND; deregistration does not stop a transfer on cma/NVLink;
+a request released in flight still lands; a notification is sent by the check that finds its request complete. Where
+1.5.1 crashes the process (posting a released request), the ``dram`` profile raises :class:`SimulatedCrash`."""
 
 from __future__ import annotations
 
@@ -370,7 +369,7 @@ class XferMixin(AgentParts):
             S.fail(S.NOT_FOUND, f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
                                 "transfer request creation; not posting stale handle")
         if notif:
-            req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (row 19)
+            req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (fact 19)
         faults = self.fabric.faults
         armed = bool(faults.armed)  # the common case: nothing to ask the fault board (four sites per post)
         if armed and peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
@@ -474,7 +473,7 @@ class XferMixin(AgentParts):
         req = self.xfers.get(handle) or self._req(handle, "getXferStatus")
         if req.released:
             if self.fabric.profile.released_handle_use == "crash":
-                return S.nixl_status_t.NIXL_SUCCESS  # 1.5.1 reads the freed request: a stale DONE (row 22)
+                return S.nixl_status_t.NIXL_SUCCESS  # 1.5.1 reads the freed request: a stale DONE (fact 22)
             S.fail(S.INVALID_PARAM, "getXferStatus: transfer handle was released")
         if req.state == NEW:
             S.fail(S.NOT_POSTED, "getXferStatus: transfer request was not posted")
@@ -493,7 +492,7 @@ class XferMixin(AgentParts):
                     req.done_at = self._telemetry_now()
                 self._notify(req)
             elif req.peer != self.name and self._target(self.peers[req.peer]) is None:
-                req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (row 26)
+                req.state, req.error = ERR, S.REMOTE_DISCONNECT  # tcp in flight: the next check raises (fact 26)
         if req.state == ERR:
             S.fail(req.error, f"getXferStatus: transfer failed with {S.name_of(req.error)}")
         if req.state == DONE:

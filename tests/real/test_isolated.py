@@ -26,7 +26,8 @@ def doubled(program, report) -> None:
 
 
 def post_released(program, report) -> None:
-    """Real NIXL 1.5.1: a READ's steps, then the released request posted again (the catalogue's row 22: SIGSEGV)."""
+    """Real NIXL 1.5.1: a READ's steps, then the released request posted again (SIGSEGV: fact 22 of
+    docs/reference/nixl-1.5.1.md)."""
     from fakes.conformance import nixl_cases
     from real_backends.nixl_real import RealBackend
 
