@@ -172,7 +172,7 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "world (MI355's build, which refuses a second initialisation after a finalize, hangs the same way, "
             "since nothing was finalized). The elastic patch cannot help under this order: there is no moment "
             "when no buffer is alive. High throughput is as under the other revision (below). Modelled from the "
-            "released sources and the reference's NVSHMEM facts; not seen on hardware.",
+            "released sources and DeepEP fault 4 of docs/reference/deep-ep.md; not seen on hardware.",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
     out += _failing_kinds(released)
     out += ["", f"### {LATER}: a group's buffer is made on its first forward step", ""]
@@ -190,8 +190,8 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
             "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP "
             "warns; the cleanup finds an empty cache), the first problem of every high-throughput run that "
             "reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit and wait "
-            "for peers that never come. This row follows the reference's reading of vLLM's managers; it has not "
-            "been seen on hardware. With `explicitly_destroy=False`, the collector runs the collective destroy, so "
+            "for peers that never come. This row follows vLLM 0.33.0's managers as read from its sources; it has "
+            "not been seen on hardware. With `explicitly_destroy=False`, the collector runs the collective destroy, so "
             "the rank whose buffer is never collected is the one the others wait for.",
             "", "Why the failing cells fail (the first of each kind, in the oracle's words):", ""]
     out += _failing_kinds(later)

@@ -12,7 +12,7 @@ Safety invariants (checked as the run goes, each violation tied to the event whe
 - ``leak``: after shutdown an agent is still alive, or a registration was never released; or a DeepEP buffer made
   with ``explicitly_destroy=True`` was dropped without ``destroy()`` (DeepEP only warns, and its NVLink/RDMA buffers
   and its hold on NVSHMEM stay for the life of the process: vLLM's weak buffer cache loses such a buffer when its
-  last strong reference goes before the cleanup, reference fault 3).
+  last strong reference goes before the cleanup: DeepEP fault 3 of docs/reference/deep-ep.md).
 
 Observations that are not violations under the run's profile (two live agents of one process registering the same
 pages on ``dram``) are counted in ``metrics``; under ``rocm-strict`` the fake refuses them and the run crashes.

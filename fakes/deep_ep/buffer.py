@@ -1,15 +1,15 @@
 """A drop-in for ``deep_ep.Buffer`` (v1 API) inside the simulation: lifecycle, collective semantics and real
 dispatch/combine math on CPU tensors.
 
-Facts reproduced (``../shared/reference/deep_ep.md``): the constructor's exchanges (device ids, IPC handles, and for
-RDMA or low-latency mode an NVSHMEM unique id) over the group, then the collective ``sync`` that makes the buffer
-AVAILABLE; NVSHMEM only for RDMA or LL (the intranode high-throughput path never touches it); ``destroy()`` asserts
-``explicitly_destroy``, is collective, finalizes NVSHMEM, and leaves ``runtime`` None so any later call raises
-``AttributeError``; the destructor runs the collective destroy when the flag is off and only warns (LEAKED) when it is
-on; low-latency calls alternate two buffers, so every rank must issue the same sequence; ``clean_low_latency_buffer``
-is collective and required after high-throughput use before LL; a handle is layout data that any buffer of the EP
-size that made it takes (DeepEP v1.2.1's sources).  A collective some rank never reaches fails the others as DeepEP
-does (:class:`DeepEPTimeout`).
+Facts reproduced (``docs/deep-ep-fake.md``; the faults in ``docs/reference/deep-ep.md``): the constructor's exchanges
+(device ids, IPC handles, and for RDMA or low-latency mode an NVSHMEM unique id) over the group, then the collective
+``sync`` that makes the buffer AVAILABLE; NVSHMEM only for RDMA or LL (the intranode high-throughput path never touches
+it); ``destroy()`` asserts ``explicitly_destroy``, is collective, finalizes NVSHMEM, and leaves ``runtime`` None so any
+later call raises ``AttributeError``; the destructor runs the collective destroy when the flag is off and only warns
+(LEAKED) when it is on; low-latency calls alternate two buffers, so every rank must issue the same sequence;
+``clean_low_latency_buffer`` is collective and required after high-throughput use before LL; a handle is layout data
+that any buffer of the EP size that made it takes (DeepEP v1.2.1's sources).  A collective some rank never reaches fails
+the others as DeepEP does (:class:`DeepEPTimeout`).
 
 Experts are split contiguously: rank ``r`` holds experts ``[r*E/R, (r+1)*E/R)``.  Tokens arrive ordered by source
 rank, then token index (the real kernels' order is not specified; the counts and the combined result are).
@@ -548,7 +548,7 @@ class Buffer:
         kernel = getattr(self, "_kernel", None)
         if getattr(self, "_team", None) is None:
             # The constructor failed before the peers' IPC handles were opened: the C++ destroy's barrier runs on
-            # pointers that were never set (the reference's fault 7: an illegal address, or a hang).
+            # pointers that were never set (DeepEP fault 7: an illegal address, or a hang).
             self.state = POISONED
             if kernel is not None:
                 kernel.history.record("deep_ep.destroy_uninitialised", pid=self._pid)
@@ -556,7 +556,7 @@ class Buffer:
                                "buffer whose constructor failed before the IPC handles were opened)")
         if kernel is not None and kernel.current() is None:
             # After the simulation (its interpreter shutdown): no simulated thread can wait for the peers.  Real
-            # DeepEP would run the barrier at exit and hang or fault if a peer is gone (reference fault 2); here the
+            # DeepEP would run the barrier at exit and hang or fault if a peer is gone (DeepEP fault 2); here the
             # buffer is left behind and the history says so.
             self.state = LEAKED
             try:

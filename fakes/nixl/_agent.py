@@ -209,10 +209,10 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
 
 
 def restart_in_place(core: AgentCore) -> AgentCore:
-    """The agent's process restarts its NIXL side under the same name (the reference's fault 6): the old agent is
-    gone for its peers, a fresh one with a new connection and no peers loaded registers the same memory again, and
-    the process's ``nixl_agent`` objects now hold the new agent, as the restarted process's own would.  Peers that
-    kept the old entry get NOT_ALLOWED when they load the name again without removing it first.
+    """The agent's process restarts its NIXL side under the same name (vLLM fault 6 of docs/reference/vllm-eplb.md): the
+    old agent is gone for its peers, a fresh one with a new connection and no peers loaded registers the same memory
+    again, and the process's ``nixl_agent`` objects now hold the new agent, as the restarted process's own would.  Peers
+    that kept the old entry get NOT_ALLOWED when they load the name again without removing it first.
 
     Call it from the agent's own simulated process (the simulator's worker thread, or ``fabric.process(pid)``).
     """

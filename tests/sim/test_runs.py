@@ -292,7 +292,7 @@ def test_storage_moved_before_prepare(strategy: str, profile: str, verdict: str,
 
 @pytest.mark.parametrize("strategy, verdict, error", [
     # Re-adding every peer every time is not idempotent once a peer recreated its agent under the same name: the
-    # kept entry has the old connection and NIXL refuses the new one (the reference's fault 6).
+    # kept entry has the old connection and NIXL refuses the new one (vLLM fault 6 of docs/reference/vllm-eplb.md).
     ("shared-agent", "crash", "nixlNotAllowedError"),
     # The arena's peer cache keeps the dead connection: the first READ towards the restarted rank fails.
     ("arena-registry", "crash", "nixlRemoteDisconnectError"),

@@ -482,8 +482,9 @@ def test_a_rank_that_comes_late_waits_its_own_timeout() -> None:
 
 
 def test_the_destructor_of_a_buffer_whose_exchange_failed_is_an_illegal_address() -> None:
-    """The default flag runs the C++ destroy in the destructor; a constructor that failed before the IPC handles
-    were opened leaves it pointers that were never set (reference fault 7), not a Python AttributeError."""
+    """The default flag runs the C++ destroy in the destructor; a constructor that failed before the IPC handles were
+    opened leaves it pointers that were never set (DeepEP fault 7 of docs/reference/deep-ep.md), not a Python
+    AttributeError."""
     ranks = SimulatedRanks(2)
     unraisable: list = []
 
