@@ -166,6 +166,8 @@ def load(path: str | Path) -> Bundle:
         data = json.loads(meta.read_text())
     except ValueError as exc:
         raise BundleError(f"{meta}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BundleError(f"{meta}: nested deeper than a failure bundle ever is") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{meta}: not a failure bundle of format {FORMAT}")
     try:
@@ -193,6 +195,8 @@ def recorded_tape(path: Path) -> list | None:
         tape = json.loads(tape_file.read_text())
     except (OSError, ValueError) as exc:  # (a UnicodeDecodeError is a ValueError)
         raise BundleError(f"{tape_file}: not a readable tape ({one_line(str(exc))})") from None
+    except RecursionError:
+        raise BundleError(f"{tape_file}: not a readable tape (nested deeper than a tape ever is)") from None
     decisions = tape.get("decisions") if isinstance(tape, dict) else None
     if not isinstance(decisions, list) or not all(isinstance(d, list) and len(d) >= 3 for d in decisions):
         raise BundleError(f"{tape_file}: not a tape epsim wrote (no list of decisions)")

@@ -517,7 +517,11 @@ def replay(
             raise BadOutput(f"--out {out}: that is a failure bundle, whose tape and history the replay would "
                             f"replace; give another directory")
         run_dir(out, "--out")
-    rep = bundle_mod.replay(bundle, out)
+    unwritten: OutputFailed | None = None
+    try:
+        rep = bundle_mod.replay(bundle, out)
+    except OutputFailed as exc:  # the replay finished: its outcome first, then the one line about its files
+        rep, unwritten = bundle_mod.Replay(bundle_mod.load(bundle), exc.result), exc
     exp, r = rep.bundle.expected, rep.result
     tape = rep.tape_divergence()
     payload = {"bundle": bundle, "reproduced": rep.reproduced, "signature": r.signature,
@@ -533,6 +537,8 @@ def replay(
             typer.echo(f"detail: {r.detail}")
         if tape:
             typer.echo(f"tape: {tape}")
+    if unwritten is not None:
+        raise OutputFailed(f"{unwritten}; the replay's outcome is printed above", unwritten.result)
     if not rep.reproduced:
         raise typer.Exit(1)
 
@@ -561,6 +567,10 @@ def shrink(
                         "--out" if out is not None else "the default --out", source=bundle, make=False)
     if corpus is not None:
         writable_dir(corpus, "--corpus", files=(), make=False)
+        src = Path(bundle).resolve()
+        if src == Path(corpus).resolve() or src in Path(corpus).resolve().parents:
+            raise BadOutput(f"--corpus {corpus}: that is inside the bundle being shrunk; give the corpus folder "
+                            f"that holds bundles (such as {src.parent})")
         # Re-shrinking a corpus bundle into its own corpus replaces it, once the shrink is done: no source check.
         bundle_dir(Path(corpus) / target.name, "--corpus", make=False)
     try:
@@ -605,6 +615,7 @@ def report(
                          "the default --plots", files=report_mod.PLOTS)
         summary = report_mod.summarise(database)
     written: list[str] = []
+    unwritten: BadOutput | None = None
     if not no_plots:
         try:
             written = [str(p) for p in report_mod.plot(summary, folder)]
@@ -612,12 +623,16 @@ def report(
             if plots:  # asked for by name: an error, not a note
                 raise
             print(f"epsim: note: {exc}", file=sys.stderr)
+        except BadOutput as exc:  # (a full disk) the summary is done: it is printed, then the error
+            unwritten = exc
     if as_json:
         typer.echo(json.dumps({**summary.to_json(), "plots": written}))
-        return
-    report_mod.render(summary, Console())
-    for p in written:
-        typer.echo(f"plot: {p}")
+    else:
+        report_mod.render(summary, Console())
+        for p in written:
+            typer.echo(f"plot: {p}")
+    if unwritten is not None:
+        raise unwritten
 
 
 @app.command()

@@ -77,6 +77,9 @@ def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES
     for name in files:
         if (p / name).is_dir():
             raise BadOutput(f"{option} {path}: {name} there is a directory, where epsim writes a file of that name")
+        if (p / name).exists() and not (p / name).is_file():  # a FIFO or a device: reading or writing it may block
+            raise BadOutput(f"{option} {path}: {name} there is not a regular file, where epsim writes a file of "
+                            "that name")
     if make or p.is_dir():
         _ensure(p, f"{option} {path}")
     else:
@@ -100,7 +103,7 @@ def run_dir(path: str | Path, option: str) -> Path:
 def _earlier_run(result: Path) -> bool:
     try:
         data = json.loads(result.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (nested past the parser's depth: not epsim's either)
         return False
     return isinstance(data, dict) and {"verdict", "trace_hash", "seed", "strategy"} <= data.keys()
 

@@ -10,13 +10,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BackendUnavailable, prog
+from .errors import BackendUnavailable, BadOutput, prog
 
 
 def site(fault: str) -> str:
@@ -120,6 +122,22 @@ def render(summary: Summary, console) -> None:
 PLOTS = ("failure_rate_by_site.png", "verdicts_by_config.png")  # what plot() writes
 
 
+def _save(plt, fig, path: Path, data: dict) -> None:
+    """The figure as ``path`` (its numbers in the PNG's Description), through a file beside it moved over the old
+    one once written whole: a full disk leaves an earlier report's plot as it was.  An error is :class:`BadOutput`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        fig.savefig(tmp, dpi=100, format="png", metadata={"Description": json.dumps(data, sort_keys=True)})
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise BadOutput(f"{path}: could not write the plot ({exc.strerror or exc}); an earlier one there is "
+                        "kept") from None
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):  # what could not be written may not be removable either
+            tmp.unlink(missing_ok=True)
+
+
 def plot(summary: Summary, folder: str | Path) -> list[Path]:
     """Write the PNGs into ``folder``; returns their paths."""
     try:
@@ -155,8 +173,7 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     data = {s: {"armed": summary.armed[s], "fired": summary.fired[s], "failed": summary.failed_when_armed[s],
                 "implicated": summary.implicated[s], "rate": round(r, 4), "implicated_rate": round(i, 4)}
             for s, r, i in zip(sites, rates, implicated)}
-    fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data, sort_keys=True)})
-    plt.close(fig)
+    _save(plt, fig, path, data)
     written.append(path)
 
     configs = sorted(summary.by_config)
@@ -175,7 +192,6 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     fig.tight_layout()
     path = folder / PLOTS[1]
     data = {f"{st}/{pr}": dict(sorted(summary.by_config[(st, pr)].items())) for st, pr in configs}
-    fig.savefig(path, dpi=100, metadata={"Description": json.dumps(data, sort_keys=True)})
-    plt.close(fig)
+    _save(plt, fig, path, data)
     written.append(path)
     return written

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .errors import EpsimError
 
@@ -42,6 +42,22 @@ _COLUMNS = {  # name -> SQL type; JSON columns hold lists and objects
     "finished_at": "REAL NOT NULL",  # Unix time
 }
 _JSON = {"faults_requested", "faults_armed", "faults_fired", "implicated", "metrics"}
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# The shape each JSON column has when epsim wrote it: a cell of valid JSON and another shape (an edit by hand, another
+# tool) is refused in one line where it is read, not as an AttributeError wherever a report first touches it.
+_SHAPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "faults_requested": ("a list of fault strings", _strings),
+    "faults_armed": ("a list of fault strings", _strings),
+    "implicated": ("a list of fault strings", _strings),
+    "faults_fired": ("an object of fault sites and counts",
+                     lambda v: isinstance(v, dict) and all(type(n) is int for n in v.values())),
+    "metrics": ("an object of metrics", lambda v: isinstance(v, dict)),
+}
 
 
 class DatabaseError(EpsimError, RuntimeError):
@@ -218,9 +234,13 @@ class ResultsDB:
                 if c in _JSON and row[c] is not None:
                     try:
                         row[c] = json.loads(row[c])
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise DatabaseError(f"{self.path}: run {row_id}'s {c} is not JSON; the database was changed "
                                             f"by something other than epsim") from None
+                    shape, fits = _SHAPES[c]
+                    if not fits(row[c]):
+                        raise DatabaseError(f"{self.path}: run {row_id}'s {c} is not {shape}; the database was "
+                                            f"changed by something other than epsim")
             yield row
 
 

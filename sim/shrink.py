@@ -107,6 +107,11 @@ def default_target(path: str | Path) -> Path:
     return path.with_name(path.name + "-shrunk")
 
 
+def _shrunk_description(original, removed: list[str]) -> str:
+    before = f" ({original.description.strip()})" if original.description.strip() else ""
+    return f"{original.name}{before}, shrunk by epsim shrink, which took away: {'; '.join(removed)}"
+
+
 def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 200,
            on_step: Callable[[str, bool], None] | None = None) -> ShrinkResult:
     """Shrink the bundle at ``path``; the smallest failing configuration is written as a new bundle at ``out``
@@ -147,7 +152,11 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
                 break  # candidates are recomputed from the smaller configuration
     result.final = cur
     target = Path(out) if out is not None else default_target(b.path)
-    bundle_mod.write_config(target, cur.scenario, seed=seed, strategy=strategy, profile=profile,
+    written = cur.scenario
+    if result.removed:  # the original's description ("EP2 grows to EP4") no longer says what this one runs
+        written = scenario_mod.with_overrides(written, description=_shrunk_description(result.original.scenario,
+                                                                                       result.removed))
+    bundle_mod.write_config(target, written, seed=seed, strategy=strategy, profile=profile,
                             faults=cur.faults, extra={"shrunk_from": str(b.path), "removed": result.removed,
                                                       "shrink_runs": result.runs})
     result.bundle = target

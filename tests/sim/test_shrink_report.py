@@ -44,6 +44,8 @@ def test_shrink_keeps_the_signature_with_at_most_three_faults_and_one_elastic_ev
     assert len(small.config["faults"]) <= 3 and small.config["elastic_events"] <= 1, small.config
     assert res.final.size() < res.original.size() and res.removed == small.data["removed"]
     assert small.data["shrunk_from"] == str(found)
+    # the original's description would say what the shrunk scenario no longer does
+    assert small.scenario().description.startswith(f"{name} (") and res.removed[0] in small.scenario().description
     rep = bundle.replay(res.bundle)
     assert rep.reproduced and rep.result.signature == signature
     # the CLI says the same

@@ -262,6 +262,25 @@ def test_a_sweep_leaves_a_sqlite_file_of_something_else_as_it_was(tmp_path: Path
     assert db.read_bytes() == before and not (tmp_path / "theirs.db-wal").exists()
 
 
+def test_a_plot_that_cannot_be_written_keeps_the_earlier_one_and_the_summary_is_printed(tmp_path: Path) -> None:
+    """(A full disk, made here by a folder where the plot is written first.)"""
+    from sim.report import PLOTS
+    from tests.conftest import epsim_here
+
+    db = tmp_path / "r.db"
+    assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
+    assert epsim_here("report", str(db)).returncode == 0
+    folder = tmp_path / "r-report"
+    earlier = (folder / PLOTS[0]).read_bytes()
+    (folder / f".{PLOTS[0]}.{os.getpid()}.part").mkdir()
+    done = epsim_here("report", str(db), "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["runs"] == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"epsim: error: {folder / PLOTS[0]}: could not write the plot (") and line.endswith(
+        "); an earlier one there is kept"), line
+    assert (folder / PLOTS[0]).read_bytes() == earlier
+
+
 def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
     assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
@@ -273,6 +292,20 @@ def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"epsim: error: {changed}: run 2's faults_armed is not JSON; the "
                                                 "database was changed by something other than epsim"]
+    # valid JSON of another shape, and JSON nested past the parser's depth, are refused the same way
+    for column, value, said in [("faults_armed", "[1]", "is not a list of fault strings"),
+                                ("faults_fired", "[1, 2]", "is not an object of fault sites and counts"),
+                                ("metrics", "5", "is not an object of metrics"),
+                                ("implicated", '"x"', "is not a list of fault strings"),
+                                ("faults_requested", "[" * 1200 + "]" * 1200, "is not JSON")]:
+        with sqlite3.connect(changed) as c:
+            c.execute("UPDATE runs SET faults_armed='[]', faults_fired='{}', metrics='{}', implicated='[]', "
+                      "faults_requested='[]'")
+            c.execute(f"UPDATE runs SET {column}=? WHERE id=2", (value,))
+        done = epsim("report", str(changed), "--no-plots")
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"epsim: error: {changed}: run 2's {column} {said}; the database was changed by something other than "
+            "epsim"], done.stderr
     with sqlite3.connect(changed) as c:
         c.execute("ALTER TABLE runs DROP COLUMN metrics")
     for args in (("report", str(changed)), ("sweep", "steady", "--seeds", "0:3", "--resume", "--db", str(changed))):

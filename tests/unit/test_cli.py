@@ -256,6 +256,27 @@ def test_a_strategy_module_that_exits_while_importing_is_one_line(tmp_path, monk
                                                 "'exits_on_import' failed: SystemExit: 3"]
 
 
+def test_check_determinism_catches_a_strategy_whose_history_follows_the_hash_seed(tmp_path, monkeypatch) -> None:
+    """A strategy that names an agent after a set's iteration order (str hashes: PYTHONHASHSEED) gives another
+    history in the rerun: the check says DIFFERENT, exits 1, and --json says ``same: false``."""
+    (tmp_path / "hash_order.py").write_text(
+        "from nixl._api import nixl_agent\n"
+        "from sim.eplb.communicators.shared_agent import create as shared\n"
+        "kept = []\n"
+        "def create(group, expert_weights, expert_buffer, prev_communicator=None):\n"
+        "    if not kept:  # one agent per process, named in the set's order\n"
+        "        kept.append(nixl_agent('-'.join({'alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta'})))\n"
+        "    return shared(group, expert_weights, expert_buffer, prev_communicator)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the rerun takes another fixed seed: the outcome is repeatable
+    done = epsim("run", "steady", "--strategy", "hash_order:create", "--check-determinism", "--json", timeout=120)
+    payload = json.loads(done.stdout)
+    assert done.returncode == 1 and payload["determinism"]["same"] is False, done.stderr[-500:]
+    assert payload["determinism"]["trace_hash_again"] != payload["trace_hash"]
+    done = epsim("run", "steady", "--strategy", "hash_order:create", "--check-determinism", timeout=120)
+    assert "(DIFFERENT)" in done.stdout and done.returncode == 1
+
+
 def test_a_calibration_with_an_infinite_time_is_one_line(tmp_path) -> None:
     cal = tmp_path / "cal.json"
     cal.write_text('{"xfer_latency_s": Infinity, "bandwidth_Bps": 1e9}')
@@ -377,6 +398,79 @@ def test_run_out_keeps_files_no_earlier_run_wrote(tmp_path) -> None:
     for _ in range(2):
         assert epsim_here("run", "steady", "--out", str(earlier)).returncode == 0
     assert json.loads((earlier / "result.json").read_text())["verdict"] == "pass"
+
+
+def test_run_out_refuses_a_fifo_where_it_writes_a_file_instead_of_waiting_on_it(tmp_path) -> None:
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "result.json")
+    done = epsim("run", "steady", "--out", str(out), timeout=60)  # (a fresh interpreter: a hang fails the test)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"epsim: error: --out {out}: result.json there is not a regular file, where epsim writes a file of that name"]
+
+
+def test_a_bundle_whose_run_no_longer_matches_is_not_reproduced(tmp_path) -> None:
+    """Replay compares the run with what the bundle recorded: a recorded trace hash the run does not give (the
+    code under test changed, another numpy) is NOT reproduced, exit 1, with both hashes named."""
+    import shutil
+
+    b = tmp_path / "b"
+    shutil.copytree("tests/corpus/broken-finalizer-gc-late", b)
+    data = json.loads((b / "failure.json").read_text())
+    recorded = data["outcome"]["trace_hash"]
+    data["outcome"]["trace_hash"] = "0" * len(recorded)
+    (b / "failure.json").write_text(json.dumps(data))
+    done = epsim_here("replay", str(b), "--json")
+    payload = json.loads(done.stdout)
+    assert done.returncode == 1 and payload["reproduced"] is False
+    assert payload["trace_hash"] == recorded and payload["expected_trace_hash"] == "0" * len(recorded)
+    assert epsim_here("replay", "tests/corpus/broken-finalizer-gc-late").stdout.startswith("reproduced: ")
+
+
+def test_a_replay_whose_files_cannot_be_written_prints_its_outcome_then_one_line(tmp_path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / ".trace.perfetto.json.part").mkdir()  # where the trace is written first: writing it fails (a full disk)
+    done = epsim_here("replay", "tests/corpus/broken-finalizer-gc-late", "--out", str(out), "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["reproduced"] is True
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"epsim: error: --out {out}: could not write the run's files") and line.endswith(
+        "; the replay's outcome is printed above"), line
+
+
+def test_shrink_refuses_a_corpus_inside_the_bundle_it_shrinks(tmp_path) -> None:
+    import shutil
+
+    b = tmp_path / "corpus" / "found"
+    shutil.copytree("tests/corpus/broken-finalizer-gc-late", b)
+    before = sorted(p.name for p in b.iterdir())
+    for corpus in (b, b / "sub"):
+        done = epsim_here("shrink", str(b), "--out", str(tmp_path / "small"), "--corpus", str(corpus))
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"epsim: error: --corpus {corpus}: that is inside the bundle being shrunk; give the corpus folder that "
+            f"holds bundles (such as {b.parent})"]
+    assert sorted(p.name for p in b.iterdir()) == before and not (tmp_path / "small").exists()
+
+
+def test_json_nested_past_the_parser_s_depth_is_one_line(tmp_path) -> None:
+    """A result.json, failure.json or tape.json of 1,200 nested lists: json raises RecursionError, not ValueError."""
+    import shutil
+
+    deep = "[" * 1200 + "]" * 1200
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "result.json").write_text(deep)
+    done = epsim_here("run", "steady", "--out", str(out))
+    assert done.returncode == 2 and "it holds result.json, which no earlier epsim run wrote" in done.stderr
+    for name, said in [("failure.json", "nested deeper than a failure bundle ever is"),
+                       ("tape.json", "not a readable tape (nested deeper than a tape ever is)")]:
+        b = tmp_path / name.replace(".", "-")
+        shutil.copytree("tests/corpus/broken-finalizer-gc-late", b)
+        (b / name).write_text(deep)
+        done = epsim_here("replay", str(b))
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"epsim: error: {b / name}: {said}"]
 
 
 def test_what_the_code_under_test_prints_stays_out_of_the_json(tmp_path, monkeypatch) -> None:
