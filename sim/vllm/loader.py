@@ -20,6 +20,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from sim.compiled import CompiledOnce
 from sim.eplb.communicators.plugins import isolated_package
 
 from . import standins
@@ -42,6 +43,12 @@ class _StandinLoader(importlib.abc.Loader):
             build(module, self.world)
 
 
+def _spec(fullname: str, path: Path, package: bool = False):
+    # Each simulated process executes its own instance of vLLM's modules; compiling them is most of that cost.
+    return importlib.util.spec_from_file_location(fullname, path, loader=CompiledOnce(fullname, str(path)),
+                                                  submodule_search_locations=[str(path.parent)] if package else None)
+
+
 class _VllmFinder(importlib.abc.MetaPathFinder):
     """Answers for ``vllm`` and its submodules from one source root."""
 
@@ -60,11 +67,10 @@ class _VllmFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, self.loader)
         package = self.root / rel / "__init__.py"
         if package.is_file():
-            return importlib.util.spec_from_file_location(fullname, package,
-                                                          submodule_search_locations=[str(package.parent)])
+            return _spec(fullname, package, package=True)
         module = self.root / rel.with_suffix(".py")
         if module.is_file():
-            return importlib.util.spec_from_file_location(fullname, module)
+            return _spec(fullname, module)
         return None  # ModuleNotFoundError, as for any missing module
 
 

@@ -265,7 +265,6 @@ def test_a_sweep_leaves_a_sqlite_file_of_something_else_as_it_was(tmp_path: Path
 def test_a_plot_that_cannot_be_written_keeps_the_earlier_one_and_the_summary_is_printed(tmp_path: Path) -> None:
     """(A full disk, made here by a folder where the plot is written first.)"""
     from sim.report import PLOTS
-    from tests.conftest import epsim_here
 
     db = tmp_path / "r.db"
     assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0
@@ -302,7 +301,7 @@ def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path
             c.execute("UPDATE runs SET faults_armed='[]', faults_fired='{}', metrics='{}', implicated='[]', "
                       "faults_requested='[]'")
             c.execute(f"UPDATE runs SET {column}=? WHERE id=2", (value,))
-        done = epsim("report", str(changed), "--no-plots")
+        done = epsim_here("report", str(changed), "--no-plots")  # (in this interpreter: seconds less each)
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [
             f"epsim: error: {changed}: run 2's {column} {said}; the database was changed by something other than "
             "epsim"], done.stderr

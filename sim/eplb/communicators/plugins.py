@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
+from sim.compiled import CompiledOnce
 from sim.errors import UnknownStrategy
 
 BUILTIN = {
@@ -107,7 +108,8 @@ def _fresh_file(name: str, module_name: str):
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
     unique = f"{module_name}{FRESH_MARK}{next(_instances)}"
     package = spec.submodule_search_locations  # not None: the factory lives in a package's __init__
-    fresh = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package)
+    fresh = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package,
+                                                   loader=CompiledOnce(unique, spec.origin))
     assert fresh is not None and fresh.loader is not None  # a source file's spec, as checked above
     module = importlib.util.module_from_spec(fresh)
     # Relative imports resolve in the real package: the module's parent, or the package itself for an __init__.
