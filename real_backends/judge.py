@@ -12,7 +12,6 @@ which the reading process observed after the source's memory was read.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from sim.records import fabric_record
@@ -34,7 +33,7 @@ def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, 
           stuck: list[str]) -> tuple[History, Oracles]:
     clock = [0.0]
     history = History(lambda: clock[0])
-    oracles = Oracles(SimpleNamespace(kernel=SimpleNamespace(history=history)))
+    oracles = Oracles(history)
     by_name: dict[str, str] = {}  # agent name -> the connection that carries it now
     leaked: dict[str, int] = {}  # agent alive at its rank's exit, held by nothing on purpose -> its registrations
     waits = iter(stuck)  # the parent's stuck details, in the order of its engine.stuck records

@@ -76,7 +76,7 @@ class Cluster(Engine):
             self.fabric.spend = self.spend
             self._retime()
         self.fabric.thread_of = self.kernel.current
-        self.oracles = Oracles(self)
+        self.oracles = Oracles(self.kernel.history)
         self.fabric.event_listeners.append(self._on_fabric)
         self.fabric.xfer_listeners.append(self._on_xfer)
         self.gc = GcController(self)

@@ -30,6 +30,7 @@ from typing import Any
 from fakes.nixl._spans import SpanIndex
 
 from . import crash as crash_mod
+from .trace import History
 
 
 @dataclass
@@ -59,9 +60,10 @@ def spans(pids: list[int]) -> str:
 
 
 class Oracles:
-    def __init__(self, cluster) -> None:
-        self.cluster = cluster
-        self.history = cluster.kernel.history
+    def __init__(self, history: History) -> None:
+        """Judges the run whose events go into ``history`` (a simulated cluster's, or a real run's merged ledger);
+        it records its findings there too."""
+        self.history = history
         self.live: dict[str, SpanIndex] = {}  # agent conn -> live registered ranges
         self.agent_pid: dict[str, int] = {}
         self.agent_name: dict[str, str] = {}

@@ -7,8 +7,6 @@ deregistered the buffer, which still posts (fact 23 of docs/reference/nixl-1.5.1
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from sim.oracles import Oracles
@@ -17,7 +15,7 @@ from sim.trace import History
 
 def _pair() -> Oracles:
     """Agents A (pid 0, conn ca) and B (pid 1, conn cb), each with 4 KiB registered at 0x1000 / 0x9000."""
-    oracles = Oracles(SimpleNamespace(kernel=SimpleNamespace(history=History(lambda: 0.0))))
+    oracles = Oracles(History(lambda: 0.0))
     for agent, pid, conn, base in (("A", 0, "ca", 0x1000), ("B", 1, "cb", 0x9000)):
         oracles.on_fabric("agent.create", {"agent": agent, "pid": pid, "conn": conn})
         oracles.on_fabric("register", {"agent": agent, "pid": pid, "conn": conn, "ranges": [(base, 4096)]})
