@@ -53,7 +53,7 @@ def bare_simpy(n: int, iterations: int, barrier_every: int, seed: int = 0) -> tu
     for mine in delays:
         env.process(proc(mine))
     # The kernel runs with the collector off (Kernel.run, as every simulated run does): so does this side, or the
-    # baseline would pay for collections the kernel never makes (found by review: 19 at 1,024 processes).
+    # baseline would pay for collections the kernel never makes (19 at 1,024 processes).
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -256,7 +256,7 @@ class RealCluster(Engine):
     def _join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
         # (busy_s: simulated serving time; a rank records a serving chunk's load at once)
         # A new rank's interpreter, torch and NIXL imports come before it can answer "start": not part of the
-        # per-command timeout (found by review: --timeout 0.5 made every run a start-up "stuck").
+        # per-command timeout (else --timeout 0.5 would make every run a start-up "stuck").
         startup = START_ALLOWANCE_S if any(h.kind == "start" for h in pending.values()) else 0.0
         deadline = time.monotonic() + self.timeout_s + startup
         settled = False  # a dead rank seen: the others' answers already on their way are read first

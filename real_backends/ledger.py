@@ -216,8 +216,8 @@ class LedgerAgent:
 
     def _note_thread(self) -> None:
         """NIXL 1.5.1 agents run without thread safety: another thread's call while requests are open races.  Every
-        call into the agent checks it, as the fake's does (found by review: only transfer and check_xfer_state
-        did, so a finalizer deregistering on another thread went unseen)."""
+        call into the agent checks it, as the fake's does, not only transfer and check_xfer_state: a finalizer
+        deregistering on another thread must not go unseen."""
         if self._raced:
             return
         me = threading.current_thread().name

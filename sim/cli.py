@@ -40,8 +40,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Elastic-EP communicator lifecycle testbed."""
 
 
-# A week: what a --timeout can mean. Larger values overflowed the clocks they reach (a thread wait, a gloo store's
-# milliseconds) in a traceback after the run had started (found by review).
+# A week: what a --timeout can mean. Larger values overflow the clocks they reach (a thread wait, a gloo store's
+# milliseconds) and would end in a traceback after the run has started, so they are refused before any work.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 

@@ -191,8 +191,8 @@ def run_sweep(specs: list[RunSpec], db, engine, *, resume: bool, bundles_dir: Pa
         sig = row.get("signature")
         if sig and row["verdict"] in SIM_VERDICTS and sig not in bundled:
             # Asked again now, not only at the start: another sweep on this database may have bundled it since
-            # (found by review: two concurrent sweeps each bundled every signature; the window is now one bundle's
-            # writing, not the whole sweep).
+            # (two concurrent sweeps must not each bundle every signature; the window is one bundle's writing, not
+            # the whole sweep).
             bundled |= db.bundled_signatures()
             if sig not in bundled:
                 # The bundle first, then the row that points at it: a sweep killed in between has not stored the

@@ -24,9 +24,9 @@ def bare_cluster(pids: list[int], dead: set[int]) -> RealCluster:
 
 
 def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after(monkeypatch):
-    """Found by review: the wait for the other ranks' answers, once a rank is seen dead, ended at the first message
-    of any kind, so an answer 50 ms away was counted missing and its rank named as stuck.  (The settle is made
-    long here, so that a loaded machine's scheduling cannot make the answer late.)"""
+    """The wait for the other ranks' answers, once a rank is seen dead, does not end at the first message of any
+    kind, or an answer 50 ms away would be counted missing and its rank named as stuck.  (The settle is made long
+    here, so that a loaded machine's scheduling cannot make the answer late.)"""
     monkeypatch.setattr("real_backends.cluster.SETTLE_S", 5.0)
     cluster = bare_cluster([0, 1, 2], dead={2})
     pending = {p: Handle(p, "rearrange") for p in (0, 1, 2)}

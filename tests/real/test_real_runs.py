@@ -137,11 +137,11 @@ def test_a_finalizer_still_running_on_another_thread_is_waited_for_not_a_leak():
 
 @pytest.mark.parametrize("fault", ["storage.move", "peer.restart"])
 def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_both_worlds(fault):
-    """Found by review: the real PREPARE (which takes no time of its own, while new ranks starting hold serving up)
-    moved expert_buffer or restarted the agents under the async thread's READs, a crash no simulated run shows,
-    since the simulated PREPARE's prepare_s of serving lets the layers land first.  The real one now waits for them.
-    The rebalance in flight is the scale-up's reshuffle, scheduled right before (first_rebalance_step moves the
-    periodic one out of the way)."""
+    """The real PREPARE (which takes no time of its own, while new ranks starting hold serving up) waits for the
+    layers in flight to land before it moves expert_buffer or restarts the agents: under the async thread's READs
+    that is a crash no simulated run shows, since the simulated PREPARE's prepare_s of serving lets the layers land
+    first.  The rebalance in flight is the scale-up's reshuffle, scheduled right before (first_rebalance_step moves
+    the periodic one out of the way)."""
     sim, real = both("scale-up", "--strategy", "per-communicator-agent", "--set", "eplb.use_async=true",
                      "--set", "eplb.first_rebalance_step=999", "--fault", fault)
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("pass", None), real["detail"]
@@ -223,10 +223,10 @@ def test_a_second_deregistration_is_released_twice_on_real_nixl_as_in_the_simula
 
 
 def test_a_leaked_agent_is_a_leak_on_real_ranks_as_in_the_simulation():
-    """Found by review: the real judge destroyed every agent at its process's exit before the leak check, so a
-    strategy that keeps its agents passed on real ranks.  A rank now names, at its exit, the agents it still holds
-    that a GC fault does not hold alone: gc.never's old communicators are finalized before the simulation's leak
-    check, so what only they hold is no leak in either world, and what a module-level list also holds is."""
+    """Were every agent destroyed at its process's exit before the real judge's leak check, a strategy that keeps
+    its agents would pass on real ranks.  So a rank names, at its exit, the agents it still holds that a GC fault
+    does not hold alone: gc.never's old communicators are finalized before the simulation's leak check, so what
+    only they hold is no leak in either world, and what a module-level list also holds is."""
     sim, real = both("scale-up", "--strategy", "tests.strategies.oracle_mutants:keeps_agents", "--fault", "gc.never")
     for r in (sim, real):
         assert (r["verdict"], r["invariant"]) == ("safety", "leak"), r["detail"]
@@ -238,7 +238,7 @@ def test_a_leaked_agent_is_a_leak_on_real_ranks_as_in_the_simulation():
 
 
 def test_a_short_timeout_does_not_count_the_ranks_start_up():
-    """Found by review: --timeout also covered a rank's interpreter and imports, so a short one made a stuck run."""
+    """--timeout does not cover a rank's interpreter and imports, or a short one would make a stuck run."""
     r = run("steady", "--set", "steps=600", "--timeout", "2", backend="real")
     assert r["verdict"] == "pass", r["detail"]
 

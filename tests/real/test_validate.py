@@ -20,8 +20,8 @@ def test_quick_validation_agrees_with_the_simulation_on_every_case():
     assert done.returncode == 0, done.stderr[-2000:]
     verdicts = {c["case"]: c["real"]["verdict"] for c in report["cases"]}
     assert verdicts["rank-failure · shared-agent"] == "liveness"  # a killed rank, for real
-    # Each case's outcome is on stderr as soon as it is known (found by review: an interrupted validation lost
-    # every finished case): a line per case naming it, then one with both verdicts.
+    # Each case's outcome is on stderr as soon as it is known (so an interrupted validation keeps every finished
+    # case): a line per case naming it, then one with both verdicts.
     lines = done.stderr.splitlines()
     assert sum(line.startswith("    agrees: simulated ") for line in lines) == len(quick)
     assert "    agrees: simulated liveness/stuck, real liveness/stuck" in lines
@@ -145,8 +145,8 @@ def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simul
 
 
 def test_a_stuck_command_is_judged_where_it_happened_not_after_the_teardown():
-    """Found by review: the parent's stuck details were judged after the whole history, so a crash during the
-    teardown that followed (a survivor's collective failing once the stuck rank was killed) became the verdict."""
+    """The parent's stuck details are judged where they happened, not after the whole history, so a crash during
+    the teardown that follows (a survivor's collective failing once the stuck rank is killed) is not the verdict."""
     from real_backends.judge import judge
 
     events = [(1.0, -1, 0, "engine.stuck", {"what": "serving", "pids": [1]}),

@@ -170,7 +170,7 @@ def test_run_out_with_a_directory_where_a_file_goes_is_refused_before_the_run(tm
 
 def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_path: Path) -> None:
     """Two sweeps on one database: the second learns of the first's bundle when its own run fails the same way,
-    not only when it starts (found by review: both bundled every signature)."""
+    not only when it starts (else both bundle every signature)."""
     from sim import resultsdb
     from sim import sweep as sweep_mod
 
@@ -194,7 +194,7 @@ def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_pa
 
 @pytest.mark.parametrize("tape", ["garbage", "[]", '"x"', '{"decisions": [1, 2]}'])
 def test_a_damaged_tape_is_one_line_before_the_replay_runs(tape: str, tmp_path: Path) -> None:
-    """Found by probing: a tape.json that was not JSON, or not a tape, ended the replay in a traceback."""
+    """A tape.json that is not JSON, or not a tape, is one line before the replay runs, not a traceback."""
     damaged = Path(shutil.copytree(CORPUS / "broken-finalizer-gc-late", tmp_path / "b"))
     (damaged / "tape.json").write_text(tape)
     out = tmp_path / "out"

@@ -145,8 +145,8 @@ def test_synchronize_waits_for_the_stream_and_a_reader_flushes_it() -> None:
 
 
 def test_a_copy_issued_after_a_flush_runs_at_its_own_time_not_at_a_flushed_copy_s() -> None:
-    # Found by review: each issued copy arms a timer, and a flush runs the copies before their timers fire; the
-    # timers then ran whatever was oldest in the queue, so a later copy ran at a flushed copy's time, early.
+    # Each issued copy arms a timer, and a flush runs the copies before their timers fire; those timers must not
+    # then run whatever is oldest in the queue, or a later copy runs at a flushed copy's time, early.
     kernel, stream = _stream_world()
     ran: list[tuple[str, float]] = []
 

@@ -471,7 +471,7 @@ def test_async_eplb_takes_a_layer_only_when_every_rank_has_it(lag) -> None:
 def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) -> None:
     """An abort reaches only the ranks that were to stay; with a rebalance in flight (30 layers from step 125, the
     abort's PREPARE from step 126) the ranks a scale-down would have removed must drain too, since only a rank's
-    own main thread takes its staged layers (found by review: they held everyone's next collective)."""
+    own main thread takes its staged layers (else they hold everyone's next collective)."""
     cluster = _async_run("scale-down", use_async=use_async, **{"model.layers": 30},
                          timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}],
                          lifecycle="pr-53947")
@@ -485,7 +485,7 @@ def test_a_rank_dying_mid_rebalance_stops_the_run_at_once_and_closes_its_groups(
     """Rank 3 dies one step into an async rebalance, while each survivor's async thread waits for it in the EPLB
     group's collectives.  As on gloo, its death closes both of its groups (their collectives fail at once with
     "connection closed by peer" instead of at the 300 s timeout), and the engine, whose next command goes to the
-    dead rank too, stops at that instant naming it (found by review: the run went on 300 simulated seconds)."""
+    dead rank too, stops at that instant naming it (rather than going on for 300 simulated seconds)."""
     cluster = _async_run("rank-failure", timeline=[{"at_step": 626, "kind": "fail_rank", "rank": 3}])
     verdict, invariant, detail = cluster.oracles.verdict()
     assert (verdict, invariant) == ("liveness", "stuck")
@@ -533,7 +533,7 @@ def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
 ])
 def test_a_fault_due_while_an_elastic_event_serves_applies_to_the_event(fault, strategy, verdict, fired) -> None:
     """scale-up starts PREPARE at step 1000 and serves in short chunks until it commits at step 1020; a fault due at
-    step 1010 applies from there on (found by review: it waited for the event to end, and never fired)."""
+    step 1010 applies from there on (rather than waiting for the event to end, and never firing)."""
     r = run("scale-up", strategy=strategy, faults=[fault])
     assert (r.verdict, r.faults_fired) == (verdict, {fault: fired})
 
@@ -563,7 +563,7 @@ def test_a_nixl_fault_armed_from_the_start_meets_the_first_registrations() -> No
 ])
 def test_long_serving_chunks_and_long_prepares_are_no_liveness_failure(overrides) -> None:
     """A serving chunk of 3000 steps x 0.25 s, or a PREPARE of 700 s, is longer than the 660 s a command may
-    overrun; the limit counts on top of what the command itself takes (found by review: both were `stuck`)."""
+    overrun; the limit counts on top of what the command itself takes (so neither is `stuck`)."""
     sc = load("steady" if "steps" in overrides else "scale-up")
     r = run_scenario(with_overrides(sc, **overrides))
     assert r.verdict == "pass", r.detail
@@ -615,8 +615,8 @@ def test_routed_shares_never_exceed_one_over_top_k() -> None:
 
 @pytest.mark.parametrize("factory", ["finalizer_raises", "crash_with_repr", "jitter"])
 def test_addresses_random_and_ns_clocks_do_not_reach_the_history(factory: str) -> None:
-    """Found by review: a finalizer's repr, an exception quoting an object's repr, the random module and the _ns
-    clocks made the same seed hash differently in another process.  Two fresh processes agree now."""
+    """A finalizer's repr, an exception quoting an object's repr, the random module and the _ns clocks could make
+    the same seed hash differently in another process; none reaches the history, so two fresh processes agree."""
     import json
     import os
     import subprocess

@@ -359,9 +359,9 @@ def test_e_module_factory_loads_the_broken_strategy() -> None:
 
 
 def test_e_a_factory_exported_from_a_package_loads_its_defining_module_afresh(tmp_path, monkeypatch) -> None:
-    """``mypkg:create`` with ``from .impl import create`` in the package's ``__init__`` (found by review: the fresh
-    instance of an ``__init__`` could not import relatively).  Each load gets its own ``mypkg.impl``, whose
-    module-level registry is the process-wide state a strategy keeps."""
+    """``mypkg:create`` with ``from .impl import create`` in the package's ``__init__`` (the fresh instance of an
+    ``__init__`` must be able to import relatively).  Each load gets its own ``mypkg.impl``, whose module-level
+    registry is the process-wide state a strategy keeps."""
     pkg = tmp_path / "exported_strategy"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from .impl import create\n")

@@ -94,9 +94,9 @@ def test_crashed_hung_and_raising_runs_are_recorded_and_the_sweep_goes_on(tmp_pa
 @pytest.mark.parametrize("engine", ["local", "ray"])
 def test_a_run_s_timeout_does_not_count_a_fresh_worker_s_start_up(engine: str) -> None:
     """A fresh worker imports the simulator (torch: over a second) before its first run, and again after a timeout
-    replaced it; runs of a few hundredths of a second under a 1 s timeout all pass (found by review: each was a
-    timeout row, for good; on Ray, where the clock started at submission, a loaded machine made a passing run of
-    test_ray_engine_records_crashed_and_hung_runs a timeout)."""
+    replaced it; runs of a few hundredths of a second under a 1 s timeout all pass (counting the start-up would
+    make each a timeout row, for good; on Ray, a clock started at submission would let a loaded machine make a
+    passing run of test_ray_engine_records_crashed_and_hung_runs a timeout)."""
     if engine == "ray":
         pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
     specs = sweep_mod.plan("steady", range(3))
@@ -160,8 +160,8 @@ def test_swarm_draws_depend_on_the_seed_only_and_are_stored_as_explicit_faults(t
 def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_row_points_at_it(
         tmp_path: Path, monkeypatch) -> None:
     """The bundle is written before its row is stored (a sweep killed in between runs the run again on --resume),
-    into the folder a killed write left without failure.json (found by review: the row was stored first and the
-    folder left as it was, so a signature seen once was never bundled); the database holds absolute paths."""
+    into the folder a killed write left without failure.json (with the row stored first and the folder left as it
+    was, a signature seen once would never be bundled); the database holds absolute paths."""
     specs = sweep_mod.plan("scale-up", range(1), [PCA], ["rocm-strict"])
     half = tmp_path / "b" / f"{bundle.slug(PCA_CRASH)}-seed0"
     half.mkdir(parents=True)
@@ -318,7 +318,7 @@ def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path
 @pytest.mark.parametrize("path, line", [(".", ".: that is a directory; give a file name"),
                                         ("/", "/: that is a directory; give a file name")])
 def test_report_on_a_directory_is_one_line_also_without_plots(path: str, line: str) -> None:
-    """Found by review: the default plots folder was derived from the path first, a traceback for '.' and '/'."""
+    """Deriving the default plots folder from the path before checking it would be a traceback for '.' and '/'."""
     done = epsim_here("report", path, "--no-plots")
     assert (done.returncode, done.stderr) == (2, f"epsim: error: {line}\n")
 
@@ -338,9 +338,9 @@ def _as_a_user(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_read_only_database_is_one_line_for_a_sweep_and_readable_for_a_report(tmp_path: Path) -> None:
-    """Found by probing: a sweep into a read-only database file was a traceback at its first write (leaving -wal
-    and -shm files), and a report could not read a database in a read-only folder, since SQLite's WAL mode needs
-    its -shm file even to read."""
+    """A sweep into a read-only database file is one line, not a traceback at its first write (leaving -wal and
+    -shm files), and a report reads a database in a read-only folder, though SQLite's WAL mode needs its -shm file
+    even to read."""
     folder = tmp_path / "ro"
     folder.mkdir()
     db = folder / "r.db"

@@ -118,10 +118,9 @@ def test_output_paths_name_what_is_wrong(tmp_path) -> None:
 
 
 def test_a_run_whose_files_cannot_be_written_prints_its_result_then_one_line(tmp_path) -> None:
-    """Found by review: a write error after the run (a full disk) lost the verdict in a traceback and exited 1.  Now
-    the result comes first, then one line, exit 2; the files already there stay whole, and together: none is
-    replaced until every new one is written (found by review: a full disk left the new history beside the earlier
-    run's result)."""
+    """A write error after the run (a full disk) must not lose the verdict in a traceback with exit 1: the result
+    comes first, then one line, exit 2; the files already there stay whole, and together: none is replaced until
+    every new one is written, so a full disk cannot leave the new history beside the earlier run's result."""
     out = tmp_path / "o"
     assert epsim_here("run", "steady", "--out", str(out)).returncode == 0  # an earlier run's folder
     (out / "history.jsonl").write_text("an earlier run\n")
@@ -209,7 +208,7 @@ def test_bad_run_input_found_by_probing_is_one_line_before_the_run(args, message
     ("run", "steady", "--backend", "real"), ("sweep", "steady", "--seeds", "0:1"), ("validate", "--quick"),
 ])
 def test_a_timeout_past_a_week_is_one_line_before_any_work(command, tmp_path) -> None:
-    """Found by review: 1e10 s overflowed a thread wait or a gloo store's milliseconds in a traceback."""
+    """1e10 s overflows a thread wait or a gloo store's milliseconds: one line, not a traceback."""
     done = epsim_here(*command, "--timeout", "1e10", *(("--db", str(tmp_path / "r.db")) if "sweep" in command else ()))
     assert done.returncode == 2 and not done.stdout.strip(), (done.stdout, done.stderr)
     assert done.stderr.strip() == ("epsim: error: Invalid value for '--timeout': Input should be less than or equal "
@@ -309,7 +308,7 @@ def test_a_quick_calibration_is_used_with_a_warning(tmp_path) -> None:
      "all2all.backend=deepep_low_latency)"),
 ])
 def test_a_fault_that_could_not_fire_as_written_is_one_line(args, line) -> None:
-    """Found by review: each ran, and said nothing (two identical faults were counted as one)."""
+    """None of these may run and say nothing (two identical faults must not count as one)."""
     done = epsim_here("run", "scale-up", *args)
     assert (done.returncode, done.stderr) == (2, f"epsim: error: {line}\n")
 
@@ -327,7 +326,7 @@ def test_a_rank_fault_may_name_a_rank_a_later_scale_up_starts(tmp_path) -> None:
 
 
 def test_check_determinism_under_a_random_hash_seed(monkeypatch) -> None:
-    """PYTHONHASHSEED=random is a valid setting; the rerun picks a fixed other seed (found by review: a traceback)."""
+    """PYTHONHASHSEED=random is a valid setting (no traceback); the rerun picks a fixed other seed."""
     monkeypatch.setenv("PYTHONHASHSEED", "random")
     done = epsim("run", "steady", "--check-determinism", timeout=120)
     assert done.returncode == 0 and "(same)" in done.stdout, done.stderr
@@ -339,7 +338,7 @@ def test_an_error_quoting_a_newline_stays_one_line(tmp_path) -> None:
 
 
 def test_a_conformance_run_that_overruns_is_one_error() -> None:
-    """Found by review: subprocess's TimeoutExpired escaped as a traceback."""
+    """A conformance run's subprocess.TimeoutExpired is one error, not a traceback."""
     from sim import conform
     from sim.errors import BackendUnavailable
 
@@ -348,8 +347,8 @@ def test_a_conformance_run_that_overruns_is_one_error() -> None:
 
 
 def test_a_bug_in_the_engine_is_an_internal_error_not_a_verdict(monkeypatch) -> None:
-    """Found by review: an exception in epsim's own engine read as the code under test crashing (verdict crash,
-    exit 1, and a sweep bundled it as a new failure).  Now: one line, exit 3; a sweep records an error row."""
+    """An exception in epsim's own engine must not read as the code under test crashing (verdict crash, exit 1,
+    and a sweep bundling it as a new failure): it is one line, exit 3; a sweep records an error row."""
     from sim import sweep as sweep_mod
     from sim.eplb import policy
 
@@ -367,8 +366,8 @@ def test_a_bug_in_the_engine_is_an_internal_error_not_a_verdict(monkeypatch) -> 
 
 
 def test_yaml_nested_past_the_parser_s_recursion_is_one_line(tmp_path) -> None:
-    """Found by probing: a scenario file or a --set value nested a thousand deep ended in a RecursionError's
-    thousand-line traceback, with exit 1 (a verdict's code)."""
+    """A scenario file or a --set value nested a thousand deep must not end in a RecursionError's thousand-line
+    traceback, with exit 1 (a verdict's code)."""
     deep = "[" * 5000 + "]" * 5000
     (tmp_path / "deep.yaml").write_text("description: " + deep + "\n")
     for args in (("run", str(tmp_path / "deep.yaml")), ("run", "steady", "--set", "description=" + deep)):
@@ -380,8 +379,8 @@ def test_yaml_nested_past_the_parser_s_recursion_is_one_line(tmp_path) -> None:
 
 
 def test_run_out_keeps_files_no_earlier_run_wrote(tmp_path) -> None:
-    """Found by probing: --out replaced a history.jsonl that was someone's own.  An earlier run's folder is still
-    written again (its result.json says it is one)."""
+    """--out does not replace a history.jsonl that is someone's own.  An earlier run's folder is still written
+    again (its result.json says it is one)."""
     own = tmp_path / "own"
     own.mkdir()
     (own / "history.jsonl").write_text("precious\n")
@@ -474,8 +473,8 @@ def test_json_nested_past_the_parser_s_depth_is_one_line(tmp_path) -> None:
 
 
 def test_what_the_code_under_test_prints_stays_out_of_the_json(tmp_path, monkeypatch) -> None:
-    """Found by probing: a strategy module that prints at import put its text on stdout once per simulated process,
-    before the JSON object, so `epsim run --json | jq` broke."""
+    """A strategy module that prints at import must not put its text on stdout (once per simulated process, before
+    the JSON object), or `epsim run --json | jq` breaks."""
     (tmp_path / "chatty.py").write_text("print('chatty strategy loaded')\n"
                                         "from sim.eplb.communicators.shared_agent import create\n")
     monkeypatch.chdir(tmp_path)

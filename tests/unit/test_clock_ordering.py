@@ -57,9 +57,9 @@ def test_bounds_of_two_hosts_add_up_when_shifted_against_each_other():
 
 
 def test_a_swap_inside_the_bound_is_found_where_both_ends_pass():
-    """Found by review: the source deregisters the range the READ read and registers it again 1 ms later, both
-    within the reader's bound.  At either end of the bound the READ lands before both or after both (pass); only a
-    placement in between puts it in the gap."""
+    """The source deregisters the range the READ read and registers it again 1 ms later, both within the reader's
+    bound.  At either end of the bound the READ lands before both or after both (pass); only a placement in between
+    puts it in the gap."""
     events = read_then_destroy(5e-3)
     events += [(2.0005, SRC, 4, "deregister", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]}),
                (2.0015, SRC, 5, "register", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]})]

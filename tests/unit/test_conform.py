@@ -103,8 +103,8 @@ def test_a_start_that_never_ends_is_killed_after_its_own_bound(dies):
 
 
 def test_the_first_case_dying_again_at_start_is_its_observation_not_an_unavailable_backend(dies):
-    """Found by review: with nothing observed yet, the first case's run-alone process dying while it starts read
-    as a backend that cannot run the catalogue at all."""
+    """With nothing observed yet, the first case's run-alone process dying while it starts is that case's
+    observation, not a backend that cannot run the catalogue at all."""
     first = list(CASES)[0]
     dies(2, victim=first, where="case,start-alone")
     report = conform.run("fake", None, "dram", probe=DYING)

@@ -251,7 +251,7 @@ def test_intranode_high_throughput_never_touches_nvshmem() -> None:
 
 def test_nvshmem_is_joined_only_with_rdma_bytes() -> None:
     """DeepEP exchanges the NVSHMEM unique id for any low-latency buffer (or group above 8 ranks), but its runtime
-    joins NVSHMEM only when the buffer has RDMA bytes (found by review: the fake joined for any low-latency one)."""
+    joins NVSHMEM only when the buffer has RDMA bytes (not for any low-latency one)."""
     ranks = SimulatedRanks(2, nvshmem="elastic")
     kernel = ranks.kernel
 
@@ -461,7 +461,7 @@ def test_with_return_recv_hook_the_tokens_land_only_when_the_hook_runs() -> None
 
 def test_a_rank_that_comes_late_waits_its_own_timeout() -> None:
     """DeepEP's timeout counts from each rank's own launch: rank 0 arrives at 0 and times out at 100; rank 1,
-    arriving at 90, waits until 190 (found by review: it gave up at 100, after 10 s); rank 2 never comes."""
+    arriving at 90, waits until 190 (not until 100, only 10 s after it arrives); rank 2 never comes."""
     ranks = SimulatedRanks(3)
     kernel = ranks.kernel
 

@@ -156,8 +156,8 @@ def test_killed_process_never_runs_again() -> None:
 
 
 def test_a_thread_that_kills_its_own_process_runs_no_further_line() -> None:
-    # Found by review: kill_process returned to its caller, which ran on to its next wait and was resumed from
-    # there as if blocked.  SIGKILL of one's own process does not return.
+    # kill_process must not return to its caller, or the caller runs on to its next wait and is resumed from there
+    # as if blocked.  SIGKILL of one's own process does not return.
     k = Kernel()
     ran = []
 
@@ -259,8 +259,8 @@ def test_spawn_from_a_thread_and_join_by_waiting() -> None:
 
 def test_ctrl_c_while_a_thread_runs_interrupts_the_run_instead_of_being_its_crash() -> None:
     """SIGINT lands in whichever simulated thread runs at that moment; it is the user stopping epsim, so it leaves
-    the run (the CLI says "interrupted", exit 130) instead of becoming a crash verdict (found by review: replay then
-    said NOT reproduced and shrink went on with a wrong result)."""
+    the run (the CLI says "interrupted", exit 130) instead of becoming a crash verdict (on which replay would say
+    NOT reproduced and shrink would go on with a wrong result)."""
     k = Kernel(seed=0)
 
     def body() -> None:

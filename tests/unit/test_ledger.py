@@ -1,5 +1,5 @@
 """The real backend's ledger agent: every call into the agent notes a thread that races another's open transfers,
-as the fake's agents do (found by review: only transfer() and check_xfer_state() did)."""
+as the fake's agents do (not only transfer() and check_xfer_state())."""
 
 from __future__ import annotations
 

@@ -123,8 +123,8 @@ def test_round_trip_with_faults(tmp_path):
     ("{site: gc.late, params: {bogus: 1}}", "faults[0]: fault gc.late: no parameter 'bogus'"),
 ])
 def test_a_scenario_s_own_faults_are_checked_as_fault_options_are(tmp_path, fault, line):
-    """Found by review: a scenario file's faults were checked only when armed, without the file's name or the
-    fault's place, and never against the scenario (a rank that never exists passed silently)."""
+    """A scenario file's faults are checked as fault options are, not only when armed: the error names the file and
+    the fault's place, and each is checked against the scenario (a rank that never exists does not pass silently)."""
     path = write(tmp_path, SMALL + f"faults:\n  - {fault}\n")
     assert error_of(path).startswith(f"{path}: {line}")
 

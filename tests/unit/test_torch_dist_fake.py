@@ -487,7 +487,7 @@ def test_a_destroyed_group_is_not_closed_by_a_member_s_exit_and_other_groups_are
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_wait_bound_that_ends_with_the_deadline_is_the_deadline_whatever_the_seed(seed: int) -> None:
-    # Found by review: a bound ending at the collective's deadline raced it in the tie-break, so the seed chose
+    # A bound ending at the collective's deadline must not race it in the tie-break, where the seed would choose
     # between "Operation timed out!" (group left open) and the group's timeout (group closed).
     import datetime
 
