@@ -153,13 +153,13 @@ class RankProcess:
         cmd_id = next(_cmd_ids)
         self.pending[cmd_id] = h
         try:
-            self.conn.send(("cmd", cmd_id, cmd.kind, args, self.cluster.step, gc_faults))
+            self.conn.send(("cmd", cmd_id, cmd.kind, args, self.cluster.timeline.step, gc_faults))
         except (OSError, ValueError):
             pass  # a dead rank: the join that waits for it reports it
         return h
 
 
-class RealCluster(Engine):
+class RealCluster:
     def __init__(self, scenario, *, seed: int, strategy: str, faults: Sequence[fault_catalogue.Armed] = (),
                  device: str = "cpu", timeout_s: float = 120.0, on_progress=None, launcher=None) -> None:
         from sim.eplb.communicators import plugins
@@ -170,11 +170,11 @@ class RealCluster(Engine):
         plugins.load(strategy, fresh=False)  # a missing or broken strategy is a one-line error before anything starts
         self.scenario, self.seed, self.strategy, self.device = scenario, seed, strategy, device
         self.timeout_s = timeout_s
-        self.on_progress = on_progress
-        self.init_engine()
         self.events: list[tuple[float, int, int, str, dict[str, Any]]] = []
         self._seq = itertools.count()
         self.faults = fault_catalogue.FaultPlan(list(faults), _Clock(), _Recorder(self))
+        # The timeline over this world; on_progress is called with (step, seconds) between lifecycle events.
+        self.timeline = Engine(self, scenario, seed, self.faults, on_progress)
         self.inbox: queue.Queue = queue.Queue()
         self.crashed: list[int] = []
         self.stuck: list[str] = []
@@ -200,7 +200,7 @@ class RealCluster(Engine):
 
     def _handle(self, pid: int, msg: tuple) -> None:
         kind = msg[0]
-        w: Any = self.workers.get(pid)  # (None for a rank that never started: only its crash arrives)
+        w: Any = self.timeline.workers.get(pid)  # (None for a rank that never started: only its crash arrives)
         if kind == "event":
             _, t, src, seq, what, fields = msg
             self.events.append((t + w.clock_offset, src, seq, what, fields))
@@ -219,27 +219,23 @@ class RealCluster(Engine):
         elif kind == "eof":
             w.alive = False
 
-    # -- the engine's hooks ---------------------------------------------------------------------------------------
+    # -- the World hooks the engine calls ------------------------------------------------------------------------------
     def record(self, kind: str, **fields: Any) -> None:
         self.events.append((time.monotonic(), -1, next(self._seq), kind, fields))
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def new_group(self, members: list[int]) -> RealGroup:
-        group = RealGroup(f"eplb#{self.generation}", list(members))
-        self.generation += 1
-        return group
+    def new_group(self, name: str, members: list[int]) -> RealGroup:
+        return RealGroup(name, list(members))
 
-    def spawn_worker(self, group, rank: int, placement: Placement | None) -> RankProcess:
-        pid = self._next_pid
-        self._next_pid += 1
+    def spawn_worker(self, pid: int, group, rank: int, placement: Placement | None) -> RankProcess:
         cfg = RankConfig(pid=pid, parent=os.getpid(), scenario=self.scenario.model_dump(mode="json"),
                          strategy=self.strategy, device=self._device_of(pid),
                          store=(self.launcher.store_host, self._store.port), group=group, placement=placement,
                          timeout_s=self.timeout_s)
         w = RankProcess(self, pid, cfg)
-        self.workers[pid] = w
+        self.timeline.workers[pid] = w
         # a torchrun slot's placement on this clock, as applied to its events (a local rank shares the clock)
         clock = {"clock_offset_s": w.clock_offset, "clock_bound_s": w.clock_bound} if hasattr(w.proc, "info") else {}
         self.record("process.start", pid=pid, os_pid=w.proc.pid, rank=rank, started_as=w.proc.started_as, **clock)
@@ -253,7 +249,7 @@ class RealCluster(Engine):
 
         return f"cuda:{pid % max(1, torch.cuda.device_count())}"
 
-    def _join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
+    def join(self, pending: dict[int, Handle], what: str, busy_s: float = 0.0) -> bool:
         # (busy_s: simulated serving time; a rank records a serving chunk's load at once)
         # A new rank's interpreter, torch and NIXL imports come before it can answer "start": not part of the
         # per-command timeout (else --timeout 0.5 would make every run a start-up "stuck").
@@ -265,7 +261,7 @@ class RealCluster(Engine):
                 return False
             # `alive` turns False only once the rank's end-of-stream is handled, after everything it sent before
             # it (a rank that answered and then exited is not dead to this command).
-            dead = [p for p, h in pending.items() if not h.event.is_set() and not self.workers[p].alive]
+            dead = [p for p, h in pending.items() if not h.event.is_set() and not self.timeline.workers[p].alive]
             if dead and not settled:
                 settled = True
                 self._settle(pending, dead)
@@ -313,14 +309,14 @@ class RealCluster(Engine):
         self.record("engine.stuck", what="PREPARE", pids=late)
 
     def fail_rank(self, pid: int) -> None:
-        w = self.workers[pid]
+        w = self.timeline.workers[pid]
         w.proc.kill()
         w.proc.join(10)
         w.alive, w.killed = False, True
         self.record("process.kill", pid=pid, signal="SIGKILL")
 
     def end_process(self, pid: int) -> None:
-        w = self.workers[pid]
+        w = self.timeline.workers[pid]
         if w.proc.is_alive() and not hasattr(w.proc, "on_eof"):
             _half_close(w.conn)  # a rank whose exit command crashed waits for the next command: EOF ends it
         w.proc.join(self.timeout_s)
@@ -338,12 +334,25 @@ class RealCluster(Engine):
     def reconfigured(self, members: list[int]) -> None:
         self.record("engine.reconfigured", members=list(members))
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        for p in list(self.members):
-            if not self.workers[p].killed:  # recorded for every rank, so the judge knows its agents are gone
+    def exited(self) -> None:
+        for p in list(self.timeline.members):
+            if not self.timeline.workers[p].killed:  # recorded for every rank, so the judge knows its agents are gone
                 self.end_process(p)
         self.completed = not self.crashed and not self.stuck
+
+    # Real processes need nothing at these points: their sends and collections take their own time, and the
+    # parent's waits end by themselves.
+    def dispatching(self, kind: str, pids: list[int]) -> None:
+        pass
+
+    def dispatch_gap(self) -> None:
+        pass
+
+    def before_rebalance(self) -> None:
+        pass
+
+    def halt(self) -> None:
+        pass
 
     # -- faults decided by the parent ---------------------------------------------------------------------------
     def choose_faults(self, w: RankProcess, kind: str,
@@ -386,7 +395,7 @@ class RealCluster(Engine):
             self._store = TCPStore(self.launcher.store_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
             self.launcher.open(self.scenario)
-            self.engine()
+            self.timeline.engine()
         finally:
             self.stop_all()
             self.launcher.close()
@@ -401,7 +410,7 @@ class RealCluster(Engine):
     def stop_all(self, grace_s: float = 5.0) -> None:
         """Every rank process ends: those still running get ``grace_s`` to finish, then SIGKILL; their last
         messages are collected."""
-        for w in self.workers.values():
+        for w in self.timeline.workers.values():
             if not w.proc.is_alive():
                 continue
             if hasattr(w.proc, "on_eof"):
@@ -409,13 +418,13 @@ class RealCluster(Engine):
             else:
                 _half_close(w.conn)  # a rank waiting for a command reads EOF and exits the normal way
         deadline = time.monotonic() + grace_s
-        for w in self.workers.values():
+        for w in self.timeline.workers.values():
             w.proc.join(max(0.0, deadline - time.monotonic()))
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join(10)
                 self.record("process.kill", pid=w.pid, signal="SIGKILL", why="still running at the end of the run")
-        for w in self.workers.values():
+        for w in self.timeline.workers.values():
             w.reader.join(5)
             w.conn.close()
         self._pump(0.0)

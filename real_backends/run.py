@@ -45,14 +45,14 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
                     len(history), history.now(), round(wall, 3), [str(a) for a in armed], cluster.faults.fired(),
                     dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated,
                                                                  crash), crash=crash)
-    result.spans = _spans(cluster.spans, history)
+    result.spans = _spans(cluster.timeline.spans, history)
     # Each rank's NIXL progress-thread poll timeout (EPSIM_NIXL_PROGRESS_DELAY_US, read by each rank from its own
     # environment): [0] is vLLM's busy loop; more than one value only when torchrun slots on other hosts differ.
     result.metrics["nixl_progress_delay_us"] = sorted({f["progress_delay_us"] for _, _, _, kind, f in cluster.events
                                                       if kind == "nixl.config"})
     # Slots on other hosts are on slot 0's clock only to within a bound: say how far, and whether the verdict
     # would change under another placement within it (none of these keys when every process read slot 0's clock).
-    clocks = {pid: (w.clock, w.clock_bound) for pid, w in cluster.workers.items() if w.clock_bound > 0}
+    clocks = {pid: (w.clock, w.clock_bound) for pid, w in cluster.timeline.workers.items() if w.clock_bound > 0}
     if clocks:
         found = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck,
                                   clocks=clocks)

@@ -2,7 +2,7 @@
 
 One :class:`Cluster` is one run: its own kernel, fake-NIXL fabric, process groups, workers, GC controller, fault
 plan and oracles.  The timeline itself (serving, rebalances, elastic events, healing, shutdown) is
-:class:`sim.engine.Engine`, shared with the real-process world; this module supplies its hooks in simulated time.
+:class:`sim.engine.Engine`, shared with the real-process world; a cluster is the world it drives, in simulated time.
 """
 
 from __future__ import annotations
@@ -52,16 +52,14 @@ class NominalTimeModel(TimeModel):
 
 
 
-class Cluster(Engine):
+class Cluster:
     def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
                  faults: Sequence[fault_catalogue.Armed] = (), on_progress=None, calibration=None) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
-        self.on_progress = on_progress  # called with (step, simulated seconds) between lifecycle events
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
         with fakes.installed():  # a package that imports nixl or deep_ep at top level loads without the real ones
             plugins.load(strategy)  # a missing or broken strategy is a one-line error before anything starts
         self.kernel = Kernel(seed)
-        self.init_engine()
         m = scenario.model
         row_bytes = m.hidden * 4
         self.calibration = calibration  # a sim.calibration.Calibration: measured costs (see _retime)
@@ -74,13 +72,15 @@ class Cluster(Engine):
         self.fabric.poll_wait = self._poll_wait
         if calibration is not None:
             self.fabric.spend = self.spend
-            self._retime()
         self.fabric.thread_of = self.kernel.current
         self.oracles = Oracles(self.kernel.history)
         self.fabric.event_listeners.append(self._on_fabric)
         self.fabric.xfer_listeners.append(self._on_xfer)
         self.gc = GcController(self)
         self.faults = fault_catalogue.FaultPlan(list(faults), self.fabric, self.kernel.history)
+        # The timeline over this world; on_progress is called with (step, simulated seconds) between events.
+        self.timeline = Engine(self, scenario, seed, self.faults, on_progress)
+        self._retime()
         self._cache: dict[Any, Any] = {}
         self.streams: dict[int, device.DeviceStream] = {}  # pid -> its simulated CUDA stream (sim/device.py)
         self.recvs_planned = 0  # expert receives the rebalances asked of the code under test (see unjudged())
@@ -96,7 +96,7 @@ class Cluster(Engine):
         busy threads each grows with them (sim/calibration.py).  Without a calibration nothing takes host time."""
         if self.calibration is None:
             return
-        live = sum(1 for w in self.workers.values() if w.alive)
+        live = sum(1 for w in self.timeline.workers.values() if w.alive)
         if live == self._costs_for:
             return
         self._costs_for, c = live, self.calibration.costs(max(live, 1))
@@ -186,20 +186,15 @@ class Cluster(Engine):
         return self._cache[key]
 
     # -- groups and workers ---------------------------------------------------------------------------------------
-    def new_group(self, members: list[int]) -> torch_dist.Rendezvous:
+    def new_group(self, name: str, members: list[int]) -> torch_dist.Rendezvous:
         # A collective's cost is the calibration's at the live rank processes when it completes.
         latency = self._collective_cost if self.calibration is not None else 0.0
-        rdv = torch_dist.Rendezvous(self.kernel, f"eplb#{self.generation}", members,
-                                    self.scenario.collective_timeout_s, latency)
-        self.generation += 1
-        return rdv
+        return torch_dist.Rendezvous(self.kernel, name, members, self.scenario.collective_timeout_s, latency)
 
-    def spawn_worker(self, group, rank: int, placement: Placement | None) -> Worker:
-        pid = self._next_pid
-        self._next_pid += 1
+    def spawn_worker(self, pid: int, group, rank: int, placement: Placement | None) -> Worker:
         factory = plugins.load(self.strategy)  # a fresh module: module state is per process
         w = Worker(self, pid, factory, placement, group, rank)
-        self.workers[pid] = w
+        self.timeline.workers[pid] = w
         self._retime()
         w.start()
         return w
@@ -208,13 +203,13 @@ class Cluster(Engine):
         """Simulated seconds a command may take: two collective timeouts and a minute."""
         return self.scenario.collective_timeout_s * 2 + 60
 
-    def _join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
+    def join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
         """Wait for every worker's command (pid -> event); a liveness failure naming the laggards otherwise.  A
         rank that was killed never answers, and the engine knows it at once (vLLM's executor watches its worker
         processes; the real backend's parent reads the end of the dead rank's pipe)."""
         limit = busy_s + self._command_limit_s()  # a long serving chunk is no reason to give up on it
         # Only the engine kills a rank, between its commands: a command to a dead rank is known dead when posted.
-        dead = [p for p in pending if not self.workers[p].alive]
+        dead = [p for p in pending if not self.timeline.workers[p].alive]
         if not dead:
             ok, _ = self.kernel.wait_for(self.kernel.env.all_of(list(pending.values())), limit, what)
             if ok:
@@ -236,7 +231,7 @@ class Cluster(Engine):
 
         return f"pid {pid}: " + ", ".join(f"{t.name} {t.state}{where(t)}" for t in threads)
 
-    # -- the engine's hooks -------------------------------------------------------------------------------------
+    # -- the World hooks the engine calls ------------------------------------------------------------------------------
     def record(self, kind: str, **fields: Any) -> None:
         self.kernel.history.record(kind, **fields)
 
@@ -265,7 +260,7 @@ class Cluster(Engine):
         self.kernel.halt()
 
     def fail_rank(self, pid: int) -> None:
-        self.workers[pid].alive = False
+        self.timeline.workers[pid].alive = False
         self.end_process(pid, "was killed")
 
     def end_process(self, pid: int, why: str = "exited") -> None:
@@ -302,8 +297,7 @@ class Cluster(Engine):
     def halt(self) -> None:
         self.kernel.halt()  # pending timers (join timeouts) need not run out
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def exited(self) -> None:
         self.gc.collect("shutdown")
 
     # -- the run ------------------------------------------------------------------------------------------------
@@ -318,7 +312,7 @@ class Cluster(Engine):
     def _run(self) -> None:
         with fakes.installed(self.fabric), torch_dist.installed(), \
                 device.installed(self.streams, self.kernel, rocm=self.rocm()), self._deep_ep():
-            self.kernel.spawn("engine", self.engine, pid=ENGINE_PID)
+            self.kernel.spawn("engine", self.timeline.engine, pid=ENGINE_PID)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.
         left = self.gc.shutdown()

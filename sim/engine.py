@@ -5,13 +5,14 @@ events as vLLM runs them (PREPARE in the background while serving goes on, then 
 through the old group first), then healing, one more rebalance to show convergence, and shutdown.
 
 The timeline is the same whether the workers are simulated (:class:`sim.cluster.Cluster`, greenlets in simulated
-time) or real processes (:class:`real_backends.cluster.RealCluster`, wall clock); a world supplies the hooks at the
-bottom of :class:`Engine`: how to record an event, start a worker, post it a command and wait for commands.
+time) or real processes (:class:`real_backends.cluster.RealCluster`, wall clock); each world makes an
+:class:`Engine` over itself and supplies the :class:`World` hooks: how to record an event, start a worker, post it a
+command and wait for commands.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,26 +43,80 @@ def routed_shares(weights: np.ndarray, top_k: int) -> np.ndarray:
             share[~capped] = rest / rest.sum() * (1.0 - capped.sum() / top_k)
 
 
+class World(Protocol):
+    """What a world supplies to the :class:`Engine` that drives it: how to record an event and read its clock, make
+    a group and start a worker, wait for commands, and the points where it acts on the timeline.  Its workers have
+    ``.pid``, ``.alive``, ``.load`` and ``.post(Command)``, which returns a handle that :meth:`join` waits for."""
+
+    def record(self, kind: str, **fields: Any) -> None: ...
+
+    def now(self) -> float: ...
+
+    def new_group(self, name: str, members: list[int]) -> Any:
+        """A group ``name`` over pids ``members``: ``.name``, ``.pids``, ``.groups()`` (one per member rank),
+        ``.destroyed``."""
+
+    def spawn_worker(self, pid: int, group, rank: int, placement: Placement | None) -> Any:
+        """Start worker ``pid`` (rank ``rank`` of ``group``) and put it in the engine's ``workers`` table."""
+
+    def join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
+        """Wait for every worker's command (pid -> handle); False (and a liveness problem) if some never finish.
+        ``busy_s``: how long the command itself takes (serving steps), on top of the limit."""
+
+    def prepared(self, handles: dict[int, Any]) -> bool:
+        """Whether every PREPARE posted (pid -> handle of the prepare command) has built its communicator."""
+
+    def prepare_limit_s(self, prepare_s: float) -> float:
+        """How long serving waits for a PREPARE that takes ``prepare_s`` before the run is a liveness failure (the
+        world's clock)."""
+
+    def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:
+        """Record the liveness failure of a PREPARE still running after ``limit`` (pid -> handle)."""
+
+    def fail_rank(self, pid: int) -> None: ...
+
+    def end_process(self, pid: int) -> None:
+        """A worker that exited is gone for good."""
+
+    def rocm(self) -> bool:
+        """Whether the ranks' platform is ROCm (vLLM's ``current_platform.is_rocm()``)."""
+
+    def dispatching(self, kind: str, pids: list[int]) -> None:
+        """A command is about to go to ``pids`` (a cost model may depend on how many ranks run it at once)."""
+
+    def dispatch_gap(self) -> None:
+        """Between posting one command to two ranks in turn: a real parent's sends take time of their own (they pass
+        by themselves); the simulation's take what a calibration measured."""
+
+    def before_rebalance(self) -> None:
+        """A rebalance starts: every earlier move has finished (drained)."""
+
+    def reconfigured(self, members: list[int]) -> None:
+        """An elastic reconfiguration completed with ``members``."""
+
+    def exited(self) -> None:
+        """Every live worker has exited (the world may collect what they left)."""
+
+    def halt(self) -> None:
+        """The timeline is over."""
+
+
 class Engine:
-    """A run's timeline.  Subclasses set ``scenario``, ``seed``, ``faults`` and ``on_progress`` and call
-    :meth:`init_engine` before :meth:`engine` runs."""
+    """A run's timeline, driving ``world`` (:class:`World`): its scenario, routing seed, fault plan and an optional
+    ``on_progress(step, now)``, called between lifecycle events."""
 
-    scenario: Any
-    seed: int
-    faults: Any
-    on_progress: Any
-
-    def init_engine(self) -> None:
-        m = self.scenario.model
+    def __init__(self, world: World, scenario: Any, seed: int, faults: Any, on_progress: Any = None) -> None:
+        self.world, self.scenario, self.seed, self.faults, self.on_progress = world, scenario, seed, faults, on_progress
+        m = scenario.model
         self.shape = ModelShape(m.layers, m.experts, m.local_experts, m.hidden, m.expert_groups)
-        self.workers: dict[int, Any] = {}
+        self.workers: dict[int, Any] = {}  # pid -> worker, filled by the world's spawn_worker
         self.members: list[int] = []
         self.placement: Placement | None = None
         self.generation = 0
         self.step = 0
         self.rdv: Any = None  # the current EP/EPLB group
         self._next_pid = 0
-        self._routing = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "routing")))
+        self._routing = np.random.Generator(np.random.PCG64(derive_seed(seed, "routing")))
         self._route_epoch = -1
         self._route_probs = np.empty((0, 0))  # the epoch's routing probabilities, made at its first step
         # The load the last rebalance placed experts for (vLLM's last_expert_load, ones before the first): the
@@ -72,24 +127,34 @@ class Engine:
         # calibration can compare worlds without changing any trace.
         self.spans: list[tuple[str, float, float]] = []
 
+    def _new_group(self, members: list[int]) -> Any:
+        group = self.world.new_group(f"eplb#{self.generation}", members)
+        self.generation += 1
+        return group
+
+    def _spawn(self, group, rank: int, placement: Placement | None) -> Any:
+        pid = self._next_pid
+        self._next_pid += 1
+        return self.world.spawn_worker(pid, group, rank, placement)
+
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
-        self.dispatching(kind, pids)
+        self.world.dispatching(kind, pids)
         handles = {}
         for i, p in enumerate(pids):
             if i:
-                self.dispatch_gap()
+                self.world.dispatch_gap()
             handles[p] = self.workers[p].post(Command(kind, dict(args)))
-        return self._join(handles, f"{kind} on {pids}")
+        return self.world.join(handles, f"{kind} on {pids}")
 
     # -- the timeline -------------------------------------------------------------------------------------------
     def engine(self) -> None:
         sc = self.scenario
-        rdv = self.rdv = self.new_group(list(range(sc.ranks)))
+        rdv = self.rdv = self._new_group(list(range(sc.ranks)))
         self.placement = Placement.initial(self.shape, sc.ranks)
         groups = rdv.groups()
         for r in range(sc.ranks):
-            self.spawn_worker(groups[r], r, self.placement)
+            self._spawn(groups[r], r, self.placement)
         self.members = list(range(sc.ranks))
         self._set_members(rdv)
         self.faults.at_step(self.step)  # a fault armed from the start is there for the first registrations too
@@ -99,7 +164,7 @@ class Engine:
         next_rebalance = sc.eplb.first_rebalance_step
         while self.step < sc.steps:
             if self.on_progress is not None:
-                self.on_progress(self.step, self.now())
+                self.on_progress(self.step, self.world.now())
             if events and events[0].at_step <= self.step:
                 event = events.pop(0)
                 if not self.elastic(event):
@@ -126,10 +191,10 @@ class Engine:
         self.faults.heal()
         if self.rebalance():
             self.shutdown()
-        self.halt()
+        self.world.halt()
 
     def _set_members(self, rdv) -> None:
-        self.record("engine.members", group=rdv.name, members=list(rdv.pids))
+        self.world.record("engine.members", group=rdv.name, members=list(rdv.pids))
 
     def serve(self, steps: int) -> bool:
         sc = self.scenario
@@ -146,8 +211,8 @@ class Engine:
             epoch = self.step // drift if drift else 0
             probs = self._probs(epoch)
             loads = self._route(chunk, probs)
-            self.record("engine.serve", step=self.step, steps=chunk)
-            if not self._join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
+            self.world.record("engine.serve", step=self.step, steps=chunk)
+            if not self.world.join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
                                for i, p in enumerate(self.members)}, f"serving steps {self.step}..{self.step + chunk}",
                               busy_s=chunk * sc.serving.step_time_s):
                 return False
@@ -201,7 +266,7 @@ class Engine:
         old = self.placement
         assert old is not None, "rebalance before load"
         size = new_size or len(self.members)
-        self.before_rebalance()
+        self.world.before_rebalance()
         # vLLM counts the nodes of the ranks the placement is for (a scale-down: the survivors); ranks fill nodes
         # in order.
         nodes = -(-size // self.scenario.gpus_per_node)
@@ -215,50 +280,50 @@ class Engine:
         use_async = asynchronous and self.scenario.eplb.use_async
         # vLLM 0.33.0 on ROCm: a synchronous periodic rebalance that gains under 5% moves nothing (the load is still
         # all-reduced first); the communicator is not called.
-        skip = (self.rocm() and not use_async and mapping is None and new is not old
+        skip = (self.world.rocm() and not use_async and mapping is None and new is not old
                 and bool((old.physical_to_logical >= 0).all()) and not policy.gains_enough(load, old, new))
         if skip:
             new = old
-        self.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest(),
+        self.world.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest(),
                     **({"skipped": True} if skip else {}))
-        start = self.now()
+        start = self.world.now()
         ok = self._all("rearrange", old=old, new=new, mapping=mapping, use_async=use_async, skip=skip)
         if ok and drain and use_async:
             ok = self._all("drain")
         self.placement = new
         if ok:
-            self.spans.append((label, start, self.now()))
+            self.spans.append((label, start, self.world.now()))
         return ok
 
     def _phase(self, event, phase: str, start: float) -> float:
         """A phase of an elastic event ended now: its span (``scale_up.prepare``, ...); returns now, the next
         phase's start.  The same spans come from the real backend, measured (``epsim calibrate`` compares them)."""
-        now = self.now()
+        now = self.world.now()
         self.spans.append((f"{event.kind}.{phase}", start, now))
         return now
 
     def elastic(self, event) -> bool:
-        start = self.now()
+        start = self.world.now()
         ok = self._elastic(event)
         if ok and event.kind != "fail_rank":
-            self.spans.append((event.kind, start, self.now()))
+            self.spans.append((event.kind, start, self.world.now()))
         return ok
 
     def _elastic(self, event) -> bool:
-        self.record(f"engine.{event.kind}", step=self.step, to=event.to, rank=event.rank)
+        self.world.record(f"engine.{event.kind}", step=self.step, to=event.to, rank=event.rank)
         if event.kind == "fail_rank":
-            self.fail_rank(self.members[event.rank])
+            self.world.fail_rank(self.members[event.rank])
             return True  # vLLM has no rank-failure recovery yet (#46370): the others find out the hard way
-        began = self.now()
+        began = self.world.now()
         old_members = list(self.members)
         size = event.to
         if size > len(old_members):
             new_members = old_members + [self._next_pid + i for i in range(size - len(old_members))]
         else:
             new_members = old_members[:size]
-        rdv = self.new_group(new_members)
+        rdv = self._new_group(new_members)
         groups = rdv.groups()
-        fresh = [self.spawn_worker(groups[r], r, None) for r in range(len(old_members), size)]
+        fresh = [self._spawn(groups[r], r, None) for r in range(len(old_members), size)]
         # A joining rank builds its first communicator in the background too, as its PREPARE (vLLM: PRE_KV_INIT,
         # then PREPARE on the ElasticEPAsync thread), while the old group serves: a communicator that gathers its
         # peers' agents in the constructor (vLLM 0.33.0) is done only once the old ranks' PREPAREs build theirs.
@@ -270,17 +335,17 @@ class Engine:
         prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
                                                                 "prepare_s": event.prepare_s, "build_step": least}))
                     for p in old_members if p in new_members}
-        if not self._join({**joined, **prepared}, "PREPARE"):
+        if not self.world.join({**joined, **prepared}, "PREPARE"):
             return False
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator, as
         # long as a command may take: a PREPARE that never returns is a liveness failure, not an endless run.
         # Serving goes on for at least the scenario's prepare_s in every world, so that a real PREPARE that is
         # done sooner (or was done while new ranks started) serves the steps the simulated one does.
         building = {**joined, **prepared}
-        start, limit = self.now(), self.prepare_limit_s(event.prepare_s)
-        while self.step < least or not self.prepared(building):
-            if self.now() - start > limit:
-                self.prepare_never_finished(building, limit)
+        start, limit = self.world.now(), self.world.prepare_limit_s(event.prepare_s)
+        while self.step < least or not self.world.prepared(building):
+            if self.world.now() - start > limit:
+                self.world.prepare_never_finished(building, limit)
                 return False
             if not self.serve(PREPARE_POLL_STEPS):
                 return False
@@ -297,7 +362,7 @@ class Engine:
             ok = self._retire([w.pid for w in fresh], rdv)
             if ok:  # an abort completes the reconfiguration too: the ranks that were to join are gone
                 self._phase(event, "exit", phase)
-                self.reconfigured(self.members)
+                self.world.reconfigured(self.members)
             return ok
         # vLLM 0.33.0 drains async EPLB over the old EP group before the scale-up's commit (broadcast_expert_mapping)
         # and before the scale-down's reshuffle (perform_scale_down_eplb_reshuffle): a collective of every old rank.
@@ -321,7 +386,7 @@ class Engine:
             mapping = {r: (r if r < size else -1) for r in range(len(old_members))}
             if not self.rebalance(new_size=size, mapping=mapping, asynchronous=False, label=reshuffle):
                 return False
-            phase = self.now()
+            phase = self.world.now()
             if not self._all("commit", new_members):
                 return False
             old_rdv, self.rdv, self.members = self.rdv, rdv, new_members
@@ -331,78 +396,19 @@ class Engine:
             if ok:
                 self._phase(event, "exit", phase)
         if ok:
-            self.reconfigured(self.members)
+            self.world.reconfigured(self.members)
         return ok
 
     def _retire(self, pids: list[int], rdv) -> bool:
         ok = self._all("exit", pids) if pids else True
         for pid in pids:
-            self.end_process(pid)  # the process is gone; anything its threads still held goes with it
+            self.world.end_process(pid)  # the process is gone; anything its threads still held goes with it
         if rdv is not None:
             rdv.destroyed = True
         return ok
 
     def shutdown(self) -> None:
-        self.record("engine.shutdown", step=self.step)
+        self.world.record("engine.shutdown", step=self.step)
         live = [p for p in self.members if self.workers[p].alive]
         self._all("exit", live)
-
-    # -- what a world supplies ------------------------------------------------------------------------------------
-    def record(self, kind: str, **fields: Any) -> None:
-        raise NotImplementedError
-
-    def now(self) -> float:
-        raise NotImplementedError
-
-    def new_group(self, members: list[int]) -> Any:
-        """A group over pids ``members``: ``.name``, ``.pids``, ``.groups()`` (one per member rank), ``.destroyed``."""
-        raise NotImplementedError
-
-    def spawn_worker(self, group, rank: int, placement: Placement | None) -> Any:
-        """A started worker (``.pid``, ``.alive``, ``.load``, ``.post(Command)`` returning a handle to join)."""
-        raise NotImplementedError
-
-    def _join(self, pending: dict[int, Any], what: str, busy_s: float = 0.0) -> bool:
-        """Wait for every worker's command (pid -> handle); False (and a liveness problem) if some never finish.
-        ``busy_s``: how long the command itself takes in simulated time (serving steps), on top of the limit."""
-        raise NotImplementedError
-
-    def prepared(self, handles: dict[int, Any]) -> bool:
-        """Whether every PREPARE posted (pid -> handle of the prepare command) has built its communicator."""
-        raise NotImplementedError
-
-    def prepare_limit_s(self, prepare_s: float) -> float:
-        """How long serving waits for a PREPARE that takes ``prepare_s`` before the run is a liveness failure (the
-        engine's clock)."""
-        raise NotImplementedError
-
-    def prepare_never_finished(self, handles: dict[int, Any], limit: float) -> None:
-        """Record the liveness failure of a PREPARE still running after ``limit`` (pid -> handle, as for
-        :meth:`prepared`)."""
-        raise NotImplementedError
-
-    def fail_rank(self, pid: int) -> None:
-        raise NotImplementedError
-
-    def end_process(self, pid: int) -> None:
-        """A worker that exited is gone for good."""
-
-    def rocm(self) -> bool:
-        """Whether the ranks' platform is ROCm (vLLM's ``current_platform.is_rocm()``)."""
-        return False
-
-    def dispatching(self, kind: str, pids: list[int]) -> None:
-        """A command is about to go to ``pids`` (a cost model may depend on how many ranks run it at once)."""
-
-    def dispatch_gap(self) -> None:
-        """Between posting one command to two ranks in turn: a real parent's sends take time of their own (they pass
-        by themselves); the simulation's take what a calibration measured."""
-
-    def before_rebalance(self) -> None:
-        """A rebalance starts: every earlier move has finished (drained)."""
-
-    def reconfigured(self, members: list[int]) -> None:
-        """An elastic reconfiguration completed with ``members``."""
-
-    def halt(self) -> None:
-        """The timeline is over."""
+        self.world.exited()

@@ -55,7 +55,7 @@ class GcController:
             self._cycles[pid].append(cell)
         elif fault.site == "gc.thread":
             holder = [obj]
-            worker = self.cluster.workers.get(pid)
+            worker = self.cluster.timeline.workers.get(pid)
             target = worker.other_thread_name() if worker is not None else f"gc@{pid}"
             self.kernel.spawn(target, self._release_later, holder, 0.0, pid, what, pid=pid, daemon=True)
         elif fault.site == "gc.never":

@@ -103,7 +103,7 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
             cluster.kernel.close()
             raise HarnessError(f"strategy {strategy!r}: {unjudged}")
         result = _result(cluster, scenario, seed, strategy, profile, armed, wall)
-        result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.spans]
+        result.spans = [[what, round(a, 6), round(b, 6)] for what, a, b in cluster.timeline.spans]
         # The recorded decisions ride on the result for replay; not a field, so --json does not print them.
         tape = vars(result)["tape"] = cluster.kernel.streams.tape.entries
         try:

@@ -44,7 +44,7 @@ class Worker:
     def __init__(self, cluster, pid: int, factory, placement: Placement | None, group, group_rank: int) -> None:
         self.cluster, self.kernel, self.pid = cluster, cluster.kernel, pid
         sc = cluster.scenario
-        self.shape = cluster.shape
+        self.shape = cluster.timeline.shape
         self.factory = factory
         n, hidden, tensors = sc.model.local_experts, sc.model.hidden, sc.model.tensors_per_layer
         # Expert weights keep their storage for the worker's whole life (as vLLM's do), so registrations of them
@@ -176,7 +176,7 @@ class Worker:
             from .all2all import forward
 
             buf = self.a2a_buffer = self.a2a.get_handle()
-            seed = derive_seed(self.kernel.seed, f"all2all@{self.pid}@{self.cluster.step}") % (1 << 63)
+            seed = derive_seed(self.kernel.seed, f"all2all@{self.pid}@{self.cluster.timeline.step}") % (1 << 63)
             gen = torch.Generator().manual_seed(seed)
             faults = self.cluster.faults
             skew = buf.low_latency_mode and faults.take(

@@ -106,3 +106,13 @@ def test_most_facts_are_checked_by_a_case():
     """A fact with no case says what its evidence is instead; that stays the exception."""
     without = [n for n, (_, checked) in _rows().items() if "`" not in checked]
     assert len(without) <= 4, without
+
+
+def test_nothing_in_the_repository_points_outside_it_for_its_facts():
+    """The facts behind the fakes live in docs/reference/, in the project's words; a path to notes beside the
+    checkout would not exist for a user."""
+    outside = "../" + "shared"  # (split, so that this file does not find itself)
+    code = (p for d in ("sim", "fakes", "real_backends", "benchmarks", "tests") for p in ROOT.glob(f"{d}/**/*.py"))
+    found = [str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *code]
+             if outside in p.read_text()]
+    assert found == []

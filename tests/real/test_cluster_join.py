@@ -1,4 +1,4 @@
-"""The real cluster's wait for a command's answers when a rank has died (real_backends/cluster.py, ``_join``).
+"""The real cluster's wait for a command's answers when a rank has died (real_backends/cluster.py, ``join``).
 
 No rank process is started: a bare cluster object with an inbox, and answers put into it from a thread, as the
 ranks' reader threads do."""
@@ -18,7 +18,8 @@ def bare_cluster(pids: list[int], dead: set[int]) -> RealCluster:
     cluster.inbox = queue.Queue()
     cluster.crashed, cluster.stuck, cluster.events = [], [], []
     cluster.timeout_s = 30.0
-    cluster.workers = {p: SimpleNamespace(alive=p not in dead, pending={}, clock_offset=0.0) for p in pids}
+    workers = {p: SimpleNamespace(alive=p not in dead, pending={}, clock_offset=0.0) for p in pids}
+    cluster.timeline = SimpleNamespace(workers=workers)
     cluster.record = lambda kind, **fields: cluster.events.append((kind, fields))
     return cluster
 
@@ -31,7 +32,7 @@ def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after(m
     cluster = bare_cluster([0, 1, 2], dead={2})
     pending = {p: Handle(p, "rearrange") for p in (0, 1, 2)}
     for p in (0, 1, 2):
-        cluster.workers[p].pending[7] = pending[p]
+        cluster.timeline.workers[p].pending[7] = pending[p]
 
     def ranks_answer() -> None:
         cluster.inbox.put((0, ("event", 0.0, 0, 1, "eplb.moved", {})))  # an event first, then the answers
@@ -42,7 +43,7 @@ def test_a_dead_rank_s_command_names_only_it_when_the_others_answer_just_after(m
     answers = threading.Thread(target=ranks_answer)
     answers.start()
     started = time.monotonic()
-    assert cluster._join(pending, "rearrange") is False
+    assert cluster.join(pending, "rearrange") is False
     answers.join()
     assert cluster.stuck == ["rearrange: pids [2] exited; waiting for pids [2]"]
     assert cluster.events[-1] == ("engine.stuck", {"what": "rearrange", "pids": [2]})
@@ -55,6 +56,6 @@ def test_the_settle_ends_at_once_when_every_living_rank_has_answered(monkeypatch
     pending = {0: Handle(0, "serve"), 1: Handle(1, "serve")}
     pending[0].event.set()
     started = time.monotonic()
-    assert cluster._join(pending, "serve") is False
+    assert cluster.join(pending, "serve") is False
     assert time.monotonic() - started < 5
     assert cluster.stuck == ["serve: pids [1] exited; waiting for pids [1]"]
