@@ -68,7 +68,7 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
     factor of two within an hour (docs/performance.md), and arms run one after the other once each took whatever
     speed their moment had.  ``runs`` per arm and pass (default 1,000; 200 with ``quick``); Ray, when installed and
     ``ray``, once after them."""
-    from sim import engines
+    from sim import executors
     from sim.sweep import plan
 
     # About half a minute of runs per arm and pass: the engines' worker start-up (a second or two of imports) counts
@@ -81,8 +81,8 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
         first = next(seeds)
         return plan("scale-up", range(first, first + n))
 
-    arms = {"plain": lambda: _plain(specs()), "local1": lambda: _through(specs(), engines.LocalEngine(1)),
-            "local2": lambda: _through(specs(), engines.LocalEngine(2))}
+    arms = {"plain": lambda: _plain(specs()), "local1": lambda: _through(specs(), executors.LocalEngine(1)),
+            "local2": lambda: _through(specs(), executors.LocalEngine(2))}
     seconds = dict.fromkeys(arms, 0.0)
     for order in (list(arms), list(reversed(arms))):
         for name in order:
@@ -94,7 +94,7 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
     if not ray:
         return out
     try:
-        ray_engine = engines.RayEngine(workers=2)
+        ray_engine = executors.RayEngine(workers=2)
     except Exception:  # noqa: BLE001 - Ray is an extra
         out["ray_runs_per_s"] = None
         return out

@@ -148,7 +148,7 @@ def run(
                                                  help="real backend: most rank processes one host runs at once"),
 ) -> None:
     """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
-    from . import runner
+    from . import cli_run
 
     if backend == "real":
         import os
@@ -168,12 +168,12 @@ def run(
     quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
         with quiet:
-            result, again = runner.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
+            result, again = cli_run.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
                                                out=out, check_determinism=check_determinism, overrides=overrides,
                                                backend=backend, device=device, timeout_s=timeout,
                                                calibration=calibration, ranks_per_host=ranks_per_host)
     except OutputFailed as exc:  # the run finished: its result first, then the one line about its files
-        typer.echo(json.dumps(exc.result.to_dict()) if as_json else runner.summary(exc.result, None))
+        typer.echo(json.dumps(exc.result.to_dict()) if as_json else cli_run.summary(exc.result, None))
         raise OutputFailed(f"{exc}; the run's result is printed above", exc.result) from None
     payload = result.to_dict()
     if again is not None:
@@ -181,7 +181,7 @@ def run(
     if as_json:
         typer.echo(json.dumps(payload))
     else:
-        typer.echo(runner.summary(result, again))
+        typer.echo(cli_run.summary(result, again))
     if backend == "sim":
         _FAST_EXIT[0] = True
     if result.verdict != "pass" or (again is not None and again != result.trace_hash):
@@ -448,12 +448,12 @@ def sweep(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
-    from . import engines, resultsdb
+    from . import executors, resultsdb
     from . import sweep as sweep_mod
     from .progress import SweepProgress
 
     specs = sweep_mod.plan(scenario, sweep_mod.parse_seeds(seeds), strategy, profile, fault, swarm)
-    eng = engines.make(engine, workers, timeout, ray_address)
+    eng = executors.make(engine, workers, timeout, ray_address)
     writable_file(db, "--db")
     bundles_dir = Path(bundles) if bundles else Path(db).with_name(Path(db).stem + "-bundles")
     # Checked before any run, the default next to --db too (made only when a failure needs it): a failure found

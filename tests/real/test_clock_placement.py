@@ -9,7 +9,7 @@ import pytest
 
 from real_backends.launch import LocalLauncher
 from real_backends.run import run_real
-from sim.runner import summary
+from sim.cli_run import summary
 from sim.scenario import load, with_overrides
 from tests.conftest import real_nixl_or_skip
 

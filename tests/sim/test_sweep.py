@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sim import bundle, engines, resultsdb, swarm
+from sim import bundle, executors, resultsdb, swarm
 from sim import sweep as sweep_mod
 from sim.errors import ScenarioError
 from sim.scenario import load
@@ -47,7 +47,7 @@ def test_parse_seeds(text, ok) -> None:
 def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: Path) -> None:
     specs = sweep_mod.plan("scale-up", range(3), ["shared-agent", PCA], ["rocm-strict"])
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
-        out = sweep_mod.run_sweep(specs, db, engines.LocalEngine(2), resume=False, bundles_dir=tmp_path / "b",
+        out = sweep_mod.run_sweep(specs, db, executors.LocalEngine(2), resume=False, bundles_dir=tmp_path / "b",
                                   command="test")
         rows = list(db.rows())
     assert out.ran == 6 and len(rows) == 6
@@ -70,9 +70,9 @@ def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: P
     # a second sweep over the same database without --resume refuses; with it, nothing runs twice
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
         with pytest.raises(ScenarioError, match="--resume"):
-            sweep_mod.run_sweep(specs, db, engines.LocalEngine(1), resume=False, bundles_dir=tmp_path / "b",
+            sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=False, bundles_dir=tmp_path / "b",
                                 command="test")
-        again = sweep_mod.run_sweep(specs, db, engines.LocalEngine(1), resume=True, bundles_dir=tmp_path / "b",
+        again = sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=True, bundles_dir=tmp_path / "b",
                                     command="test")
         assert (again.ran, again.skipped, db.count()) == (0, 6, 6)
 
@@ -82,7 +82,7 @@ def test_crashed_hung_and_raising_runs_are_recorded_and_the_sweep_goes_on(tmp_pa
              + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
              + sweep_mod.plan("steady", range(2), ["shared-agent"]))
     broken = sweep_mod.RunSpec("bad", "ranks: [not, a, number]", 0, "shared-agent", "dram")
-    rows = {r["run_key"]: r for r in engines.LocalEngine(2, timeout=8).map(specs + [broken])}
+    rows = {r["run_key"]: r for r in executors.LocalEngine(2, timeout=8).map(specs + [broken])}
     assert len(rows) == len(specs) + 1
     verdicts = [rows[s.key]["verdict"] for s in specs]
     assert verdicts == ["worker_crash", "worker_crash", "timeout", "pass", "pass"], verdicts
@@ -100,7 +100,7 @@ def test_a_run_s_timeout_does_not_count_a_fresh_worker_s_start_up(engine: str) -
     if engine == "ray":
         pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
     specs = sweep_mod.plan("steady", range(3))
-    chosen = engines.make(engine, 1, 1.0)
+    chosen = executors.make(engine, 1, 1.0)
     try:
         rows = list(chosen.map(specs))
     finally:
@@ -168,7 +168,7 @@ def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_r
     (half / "scenario.yaml").write_text("partial\n")
     monkeypatch.chdir(tmp_path)
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
-        out = sweep_mod.run_sweep(specs, db, engines.LocalEngine(1), resume=False, bundles_dir=Path("b"),
+        out = sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=False, bundles_dir=Path("b"),
                                   command="test")
         (row,) = list(db.rows())
     assert out.bundles == [str(half)] and row["bundle"] == str(half)
@@ -224,8 +224,8 @@ def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one() 
     pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
     specs = sweep_mod.plan("scale-up", range(4), ["shared-agent", PCA], ["rocm-strict"], swarm=True)
     local = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
-             for r in engines.LocalEngine(2).map(specs)}
-    ray_engine = engines.RayEngine(workers=2)
+             for r in executors.LocalEngine(2).map(specs)}
+    ray_engine = executors.RayEngine(workers=2)
     try:
         remote = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
                   for r in ray_engine.map(specs)}
@@ -240,7 +240,7 @@ def test_ray_engine_records_crashed_and_hung_runs() -> None:
     specs = (sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:crash_process"])
              + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
              + sweep_mod.plan("steady", range(1), ["shared-agent"]))
-    ray_engine = engines.RayEngine(workers=2, timeout=15)
+    ray_engine = executors.RayEngine(workers=2, timeout=15)
     try:
         rows = {r["run_key"]: r for r in ray_engine.map(specs)}
     finally:

@@ -486,7 +486,7 @@ def test_what_the_code_under_test_prints_stays_out_of_the_json(tmp_path, monkeyp
 
 def test_the_readable_summary_of_a_real_run_names_a_progress_delay_only_when_one_was_in_effect() -> None:
     from sim.run import Result
-    from sim.runner import summary
+    from sim.cli_run import summary
 
     def real(delays) -> str:
         return summary(Result("pass", None, None, 0, "scale-up", "shared-agent", "real-cpu", "", 10, 1.0, 2.0,

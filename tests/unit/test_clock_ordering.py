@@ -8,7 +8,7 @@ import pytest
 from real_backends.judge import judge
 from real_backends.ordering import clock_sensitivity
 from sim.run import Result
-from sim.runner import summary
+from sim.cli_run import summary
 
 SRC, DST = 0, 1  # the READ's source process (on slot 0's clock) and reader (a slot on another host)
 
