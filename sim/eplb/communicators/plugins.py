@@ -108,8 +108,11 @@ def _fresh_file(name: str, module_name: str):
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} has no source file to load afresh")
     unique = f"{module_name}{FRESH_MARK}{next(_instances)}"
     package = spec.submodule_search_locations  # not None: the factory lives in a package's __init__
+    # A source file is compiled once per process (each instance still runs its body); any other file (a .pyc
+    # alone, an extension module) takes the loader its suffix asks for.
+    loader = CompiledOnce(unique, spec.origin) if spec.origin.endswith(".py") else None
     fresh = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package,
-                                                   loader=CompiledOnce(unique, spec.origin))
+                                                   loader=loader)
     assert fresh is not None and fresh.loader is not None  # a source file's spec, as checked above
     module = importlib.util.module_from_spec(fresh)
     # Relative imports resolve in the real package: the module's parent, or the package itself for an __init__.
