@@ -70,8 +70,8 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
         left = [name for name in CASES if name not in results]
         # a case that killed its child once runs alone, so a second death is that case's and nothing else's
         batch = left[:1] if left[0] in died_once else left
-        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results),
-                      (start_timeout_s, case_timeout_s))
+        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results), start_timeout_s,
+                      case_timeout_s)
         results.update(child.finished)
         if child.death is None:
             continue
@@ -110,10 +110,10 @@ class _Ended:
 
 
 def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names: list[str], deadline: float,
-          timeout_s: float, observed: int, quiet_s: tuple[float, float]) -> _Ended:
-    """Run ``names`` in one child, reading its cases as it reports them.  A child silent for too long (``quiet_s``:
-    before its first line, then between two) is killed and reads as a death, like a crash."""
-    start_timeout_s, case_timeout_s = quiet_s
+          timeout_s: float, observed: int, start_timeout_s: float, case_timeout_s: float) -> _Ended:
+    """Run ``names`` in one child, reading its cases as it reports them.  A child silent for too long (for
+    ``start_timeout_s`` before its first line, then ``case_timeout_s`` between two) is killed and reads as a death,
+    like a crash."""
     cmd = [*probe, "--backend", backend, "--profile", profile, "--memory", memory, "--stream"]
     for name in names:
         cmd += ["--case", name]

@@ -54,17 +54,23 @@ def write_run_files(out: str | Path, writers: dict[str, Callable[[Path], object]
         raise OutputFailed(f"--out {out}: could not write the run's files ({exc.strerror or exc})", result) from None
 
 
-def write_file_replacing(path: str | Path, text: str) -> None:
-    """``text`` into the file ``path`` through a file beside it, moved over the old one only once written whole: a
-    write that fails half-way (a full disk) leaves the earlier file as it was.  An error is the ``OSError``."""
+def write_replacing(path: str | Path, write: Callable[[Path], object]) -> None:
+    """The file ``path`` as ``write`` writes it into a file beside it, moved over the old one only once written
+    whole: a write that fails half-way (a full disk) leaves the earlier file as it was.  An error is the
+    ``OSError``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):  # what could not be written may not be removable either
             tmp.unlink(missing_ok=True)
+
+
+def write_file_replacing(path: str | Path, text: str) -> None:
+    """``text`` into the file ``path``, as :func:`write_replacing` writes."""
+    write_replacing(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES, *, make: bool = True) -> Path:

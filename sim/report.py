@@ -10,15 +10,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import BackendUnavailable, BadOutput, prog
+from .outputs import write_replacing
 
 
 def site(fault: str) -> str:
@@ -123,19 +122,16 @@ PLOTS = ("failure_rate_by_site.png", "verdicts_by_config.png")  # what plot() wr
 
 
 def _save(plt, fig, path: Path, data: dict) -> None:
-    """The figure as ``path`` (its numbers in the PNG's Description), through a file beside it moved over the old
-    one once written whole: a full disk leaves an earlier report's plot as it was.  An error is :class:`BadOutput`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    """The figure as ``path`` (its numbers in the PNG's Description), written as :func:`~sim.outputs.write_replacing`
+    writes: a full disk leaves an earlier report's plot as it was.  An error is :class:`BadOutput`."""
     try:
-        fig.savefig(tmp, dpi=100, format="png", metadata={"Description": json.dumps(data, sort_keys=True)})
-        os.replace(tmp, path)
+        write_replacing(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png",
+                                                      metadata={"Description": json.dumps(data, sort_keys=True)}))
     except OSError as exc:
         raise BadOutput(f"{path}: could not write the plot ({exc.strerror or exc}); an earlier one there is "
                         "kept") from None
     finally:
         plt.close(fig)
-        with contextlib.suppress(OSError):  # what could not be written may not be removable either
-            tmp.unlink(missing_ok=True)
 
 
 def plot(summary: Summary, folder: str | Path) -> list[Path]:

@@ -26,6 +26,12 @@ CITED = {"DeepEP fault": ROOT / "docs" / "reference" / "deep-ep.md",
 _FACTS = re.compile(r"^Facts? (\d+(?:-\d+)?(?:(?:,| and|, and) \d+(?:-\d+)?)*)")
 
 
+def _repository_texts() -> list[Path]:
+    """The docs and the code that may cite a page."""
+    code = (p for d in ("sim", "fakes", "real_backends", "benchmarks", "tests") for p in ROOT.glob(f"{d}/**/*.py"))
+    return [*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *code]
+
+
 def _rows(page: Path = PAGE) -> dict[int, tuple[str, str]]:
     """A page's numbered table: number -> (its first column after the number, its last column)."""
     rows = {}
@@ -78,8 +84,7 @@ def test_every_file_a_page_names_exists(page):
 
 def test_every_fault_cited_in_the_repository_is_a_row_of_its_page():
     cited = []
-    code = (p for d in ("sim", "fakes", "real_backends", "benchmarks", "tests") for p in ROOT.glob(f"{d}/**/*.py"))
-    for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *code]:
+    for path in _repository_texts():
         for name, number in re.findall(r"(DeepEP fault|vLLM fault)s? (\d+)", path.read_text()):
             cited.append((name, int(number), path.relative_to(ROOT)))
     assert cited  # the code does cite them
@@ -112,7 +117,5 @@ def test_nothing_in_the_repository_points_outside_it_for_its_facts():
     """The facts behind the fakes live in docs/reference/, in the project's words; a path to notes beside the
     checkout would not exist for a user."""
     outside = "../" + "shared"  # (split, so that this file does not find itself)
-    code = (p for d in ("sim", "fakes", "real_backends", "benchmarks", "tests") for p in ROOT.glob(f"{d}/**/*.py"))
-    found = [str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *code]
-             if outside in p.read_text()]
+    found = [str(p.relative_to(ROOT)) for p in _repository_texts() if outside in p.read_text()]
     assert found == []
