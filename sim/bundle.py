@@ -265,9 +265,9 @@ class Replay:
 
 
 def replay(path: str | Path, out: str | Path | None = None) -> Replay:
+    b = load(path)  # before the simulation (and torch) is imported: a bad bundle is one line at once
     from .run import run_scenario
 
-    b = load(path)
     c = b.config
     result = run_scenario(b.scenario(), seed=c["seed"], strategy=c["strategy"], profile=c["profile"],
                           faults=b.faults(), out=out)

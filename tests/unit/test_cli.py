@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +33,19 @@ def test_bad_input_is_one_line_and_exit_2(args, message) -> None:
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("epsim: error: ") and message in lines[0]
     assert "Traceback" not in done.stderr
+
+
+def test_bad_arguments_are_refused_before_the_simulation_is_imported(tmp_path) -> None:
+    """A typo costs the user no torch import (seconds on a small machine): what a command checks first needs only
+    the scenario, the fault catalogue and the bundle reader."""
+    cases = [["run", "no-such-scenario"], ["run", "scale-up", "--fault", "no.such:site"],
+             ["replay", str(tmp_path / "no-bundle")], ["shrink", str(tmp_path / "no-bundle")], ["scenarios"]]
+    probe = ("import sys\nfrom sim import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "heavy = sorted(m for m in ('torch', 'numpy', 'simpy', 'fakes.nixl._agent') if m in sys.modules)\n"
+             "print('IMPORTED', heavy, file=sys.stderr)")
+    for args in cases:
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+        assert done.stderr.strip().splitlines()[-1] == "IMPORTED []", (args, done.stderr)
 
 
 def test_conform_fake_json_names_dram() -> None:
