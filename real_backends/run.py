@@ -10,7 +10,7 @@ from typing import Sequence
 
 from sim import faults as fault_catalogue
 from sim.outputs import write_run_files
-from sim.run import Result, signature
+from sim.result import Result, signature
 
 from .cluster import RealCluster
 from .launch import LocalLauncher

@@ -19,7 +19,7 @@ import numpy as np
 from .eplb import policy
 from .eplb.state import ModelShape, Placement
 from .rng import derive_seed
-from .worker import Command
+from .command import Command
 
 PREPARE_POLL_STEPS = 10  # serving goes on in chunks of this many steps while PREPARE runs in the background
 

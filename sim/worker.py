@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,19 +18,13 @@ import torch.distributed as dist
 
 from fakes.torch_dist import FakeProcessGroup
 
+from .command import Command
 from .device import DeviceStream
 from .eplb import move
 from .eplb.state import LoadWindow, Placement, check_weights, fill_weights
 from .faults import WORKER_SITES
 from .rng import derive_seed
 from .vllm import move_loop as vllm_move_loop
-
-
-@dataclass
-class Command:
-    kind: str
-    args: dict[str, Any] = field(default_factory=dict)
-    done: Any = None  # simpy event the worker succeeds when the command is complete
 
 
 def _ep_group_of(group: FakeProcessGroup) -> FakeProcessGroup:
