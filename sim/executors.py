@@ -7,8 +7,11 @@ timeout is killed and is a ``timeout`` row, and the sweep goes on with a fresh w
 The local engine keeps its own long-lived worker processes instead of a ``concurrent.futures`` pool, whose every
 future fails once one worker dies (``loky`` likewise); ``pebble`` isolates a death but misses a worker that exits
 with status 0 and has no start-up limit, for the same throughput (docs/sweeps.md has the measurements).  Workers
-are started with ``spawn`` (torch and greenlet do not survive ``fork`` reliably) and import the simulator once; a
-worker whose parent dies sees its pipe close and exits.
+are forked by multiprocessing's fork server, which imports the simulator once (torch: seconds of CPU) and has run
+nothing, started no thread of its own and made no greenlet: every worker, the first ones and those that replace a
+crashed or timed-out one, starts with the simulator imported and nothing else of the parent's.  Where there is no
+fork server (not a POSIX system), workers are spawned and each imports the simulator itself.  A worker whose parent
+dies sees its pipe close and exits.
 """
 
 from __future__ import annotations
@@ -89,13 +92,27 @@ class _Worker:
         self.conn.close()
 
 
+# What the fork server imports before it forks a worker: the simulator, as a worker's first run would.
+PRELOAD = ["sim.executors", "sim.run"]
+
+
+def _context():
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # One fork server per process, started with the first worker and kept for the process's later sweeps (a test
+    # session's, an interactive session's): its environment and sys.path are those of that moment.
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class LocalEngine:
     name = "local"
 
     def __init__(self, workers: int | None = None, timeout: float | None = None) -> None:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.timeout = timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _context()
 
     def start(self) -> None:
         """Nothing to connect to: workers start with the first runs."""

@@ -90,7 +90,10 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
         if p not in PROFILES:
             raise ScenarioError(f"profile {p!r} not found; known: {', '.join(PROFILES)}")
     for s in strategies:
-        plugins.load(s)  # a missing strategy is one line now, not two thousand failed runs
+        # A missing or broken strategy is one line now, not two thousand failed runs.  A built-in one is known to
+        # load: loading it here would import torch into the sweep's own process, which runs no simulation.
+        if s not in plugins.BUILTIN:
+            plugins.load(s)
     armed = [fault_catalogue.parse(f) for f in faults]
     fault_catalogue.check_fits(armed, sc)
     fault_catalogue.arm(sc.faults, armed)  # with the scenario's own: none armed twice

@@ -44,7 +44,8 @@ def started_as(out) -> list[str]:
 # busy loop, a core spinning per agent (real_backends/nixl_real.py): on a 2-core machine that loop took a third of
 # the real-backend tests' CPU (user and system time over four real runs: 116 s with it, 82 s without).  A host with
 # a core per rank (a GPU host: the gated GPU job's evidence) keeps vLLM's own configuration, and so do one real
-# scale-up (tests/real/test_real_runs.py) and the async-EPLB torchrun run (tests/real/test_torchrun.py) everywhere.
+# scale-up (tests/real/test_real_runs.py) and, in the exhaustive run, the async-EPLB torchrun run
+# (tests/real/test_torchrun.py) everywhere.
 if (os.cpu_count() or 1) < 8:
     os.environ.setdefault("EPSIM_NIXL_PROGRESS_DELAY_US", "1000")
 
@@ -85,15 +86,28 @@ def _cuda_reason() -> str | None:
 SLOW = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow") + os.sep
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--slow", action="store_true",
+                     help="also run the exhaustive tier (tests marked slow, and tests/slow/): every seed, "
+                          "parameter and matrix cell where the default run checks a sample")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     reason = None
     for item in items:
-        if str(item.path).startswith(SLOW):  # the folder is the marker: `-m "not slow"` leaves slow/ out
+        if str(item.path).startswith(SLOW):  # the folder is the marker
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords:
             reason = reason or _cuda_reason() or ""
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    # The default run leaves the exhaustive tier out (deselected, and counted so in pytest's summary line); --slow
+    # or a -m expression of the caller's own (`-m slow`) takes it in.
+    if not config.getoption("--slow") and not config.option.markexpr:
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
 
 
 def pytest_unconfigure(config) -> None:

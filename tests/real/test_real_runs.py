@@ -105,7 +105,7 @@ def test_real_ledger_shows_the_duplicate_registrations_the_simulation_predicts()
     assert real["verdict"] == sim["verdict"] == "pass"
 
 
-@pytest.mark.parametrize("fault", ["gc.never", "peer.restart"])
+@pytest.mark.parametrize("fault", ["gc.never", pytest.param("peer.restart", marks=pytest.mark.slow)])
 def test_real_faults_are_done_for_real_and_agree(fault):
     sim, real = both(*DOWN_3_TO_2, "--strategy", "per-communicator-agent", "--fault", fault)
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"])
@@ -137,7 +137,7 @@ def test_a_finalizer_still_running_on_another_thread_is_waited_for_not_a_leak():
     assert real["faults_fired"] == sim["faults_fired"] == {"gc.thread": 3}
 
 
-@pytest.mark.parametrize("fault", ["storage.move", "peer.restart"])
+@pytest.mark.parametrize("fault", ["storage.move", pytest.param("peer.restart", marks=pytest.mark.slow)])
 def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_both_worlds(fault):
     """The real PREPARE (which takes no time of its own, while new ranks starting hold serving up) waits for the
     layers in flight to land before it moves expert_buffer or restarts the agents: under the async thread's READs
@@ -160,7 +160,7 @@ def test_a_prepare_fault_due_inside_the_window_fires_in_both_worlds():
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]), real["detail"]
 
 
-@pytest.mark.parametrize("revision", ["0.33.0", "pr-53947"])
+@pytest.mark.parametrize("revision", ["0.33.0", pytest.param("pr-53947", marks=pytest.mark.slow)])
 def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_in_both_worlds(tmp_path, revision):
     """An old communicator in a reference cycle is finalized at its rank's next planned collection, in both worlds:
     under vLLM 0.33.0 the one right after the swap (warm_and_capture), under pr-53947 the rank's exit.  Each

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import epsim, real_nixl_or_skip
 
 LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_live_agents_per_process", "transfers")
@@ -51,6 +53,7 @@ def test_scale_up_under_torchrun_agrees_with_the_local_runner(tmp_path):
     assert result["metrics"]["duplicate_registrations"] == 2
 
 
+@pytest.mark.slow
 def test_async_eplb_under_torchrun_opens_each_generation_s_ep_group_and_agrees():
     # Async EPLB adds a second gloo group per generation (the EP group of the main thread's readiness all_reduce),
     # opened by every slot right after its EPLB group.  This run failed once in CI and was kept on spinning

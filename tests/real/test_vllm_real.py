@@ -27,9 +27,10 @@ def run(*args: str, backend: str) -> dict:
 
 
 @pytest.mark.parametrize("scenario,faults,verdict", [
-    ("scale-down", [], ("pass", None)),
+    pytest.param("scale-down", [], ("pass", None), marks=pytest.mark.slow),
     ("abort", [], ("safety", "stale_peer")),  # the aborted PREPARE's communicator keeps the rank that was to join
-    ("elastic-cycle", ["--fault", "gc.never"], ("safety", "stale_peer")),  # the old communicator is never collected
+    # the old communicator is never collected
+    pytest.param("elastic-cycle", ["--fault", "gc.never"], ("safety", "stale_peer"), marks=pytest.mark.slow),
 ])
 def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenario, faults, verdict) -> None:
     sim = run(scenario, "--strategy", "vllm", *faults, backend="sim")

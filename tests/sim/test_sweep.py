@@ -91,21 +91,11 @@ def test_crashed_hung_and_raising_runs_are_recorded_and_the_sweep_goes_on(tmp_pa
     assert error["verdict"] == "error" and "ScenarioError: bad: name: Field required" in error["detail"]
 
 
-@pytest.mark.parametrize("engine", ["local", "ray"])
-def test_a_run_s_timeout_does_not_count_a_fresh_worker_s_start_up(engine: str) -> None:
+def test_a_run_s_timeout_does_not_count_a_fresh_worker_s_start_up() -> None:
     """A fresh worker imports the simulator (torch: over a second) before its first run, and again after a timeout
     replaced it; runs of a few hundredths of a second under a 1 s timeout all pass (counting the start-up would
-    make each a timeout row, for good; on Ray, a clock started at submission would let a loaded machine make a
-    passing run of test_ray_engine_records_crashed_and_hung_runs a timeout)."""
-    if engine == "ray":
-        pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
-    specs = sweep_mod.plan("steady", range(3))
-    chosen = executors.make(engine, 1, 1.0)
-    try:
-        rows = list(chosen.map(specs))
-    finally:
-        if engine == "ray":
-            chosen.ray.shutdown()
+    make each a timeout row, for good).  The Ray engine's side: tests/sim/test_ray_engine.py."""
+    rows = list(executors.make("local", 1, 1.0).map(sweep_mod.plan("steady", range(3))))
     assert [r["verdict"] for r in rows] == ["pass"] * 3, [r["detail"] for r in rows]
 
 
@@ -218,34 +208,6 @@ def test_a_ray_address_nothing_listens_on_is_one_line_and_leaves_no_database(tmp
         assert done.stderr.strip().splitlines() == [f"epsim: error: --ray-address {address}: cannot reach "
                                                     f"127.0.0.1:{port} (Connection refused)"]
         assert not db.exists() and list(tmp_path.iterdir()) == []
-
-
-def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one() -> None:
-    pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
-    specs = sweep_mod.plan("scale-up", range(4), ["shared-agent", PCA], ["rocm-strict"], swarm=True)
-    local = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
-             for r in executors.LocalEngine(2).map(specs)}
-    ray_engine = executors.RayEngine(workers=2)
-    try:
-        remote = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
-                  for r in ray_engine.map(specs)}
-    finally:
-        ray_engine.ray.shutdown()
-    assert remote == local and len(local) == 8
-    assert {v for v, *_ in local.values()} >= {"pass", "crash"}
-
-
-def test_ray_engine_records_crashed_and_hung_runs() -> None:
-    pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
-    specs = (sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:crash_process"])
-             + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
-             + sweep_mod.plan("steady", range(1), ["shared-agent"]))
-    ray_engine = executors.RayEngine(workers=2, timeout=15)
-    try:
-        rows = {r["run_key"]: r for r in ray_engine.map(specs)}
-    finally:
-        ray_engine.ray.shutdown()
-    assert [rows[s.key]["verdict"] for s in specs] == ["worker_crash", "timeout", "pass"]
 
 
 @pytest.mark.parametrize("tables", [["CREATE TABLE foo (x)"], ["CREATE TABLE runs (x)"]])

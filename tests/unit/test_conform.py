@@ -80,12 +80,14 @@ def test_a_process_that_dies_before_any_case_is_one_error(dies):
 
 
 def test_a_case_that_hangs_is_killed_and_counts_as_a_death(dies):
+    # The bound leaves every other case room on a loaded 2-core machine (a fake case takes well under a second
+    # alone; 3 s was once too little for one of them beside the rest of the suite).
     dies(2, how="hang")
-    report = conform.run("fake", None, "dram", probe=DYING, case_timeout_s=3)
+    report = conform.run("fake", None, "dram", probe=DYING, case_timeout_s=8)
     by_name = {c["name"]: c for c in report["cases"]}
-    assert by_name[VICTIM]["observed"] == "no answer within 3 s, killed" and by_name[VICTIM]["outcome"] == "fail"
-    assert all(c["outcome"] == "pass" for name, c in by_name.items() if name != VICTIM)
-    assert report["notes"][0].startswith(f"{VICTIM}: the catalogue's process died in it (no answer within 3 s")
+    assert by_name[VICTIM]["observed"] == "no answer within 8 s, killed" and by_name[VICTIM]["outcome"] == "fail"
+    assert {name: c["observed"] for name, c in by_name.items() if name != VICTIM and c["outcome"] != "pass"} == {}
+    assert report["notes"][0].startswith(f"{VICTIM}: the catalogue's process died in it (no answer within 8 s")
 
 
 def test_a_slow_start_is_not_a_hang_in_the_first_case(dies):
