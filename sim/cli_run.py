@@ -6,14 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING
-
 from . import faults as fault_catalogue
 from . import scenario as scenario_mod
 from .errors import ScenarioError, refuse_empty
-
-if TYPE_CHECKING:  # the simulation (torch with it) is imported once the arguments are known to be good
-    from .run import Result
+from .result import Result
 
 
 REAL_TIMEOUT_S = 120.0  # seconds a real rank may take to answer one command, unless --timeout says otherwise
@@ -64,7 +60,7 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         if timing.quick:  # usable (the run goes on), but the user should know what the times rest on
             print(f"epsim: warning: calibration {calibration} was measured with `epsim calibrate --quick` (three "
                   f"sizes, a few repeats): a check that the path works, not times to trust", file=sys.stderr)
-    from .run import run_scenario
+    from .run import run_scenario  # the simulation (torch with it), once the arguments are known to be good
 
     with RunProgress(sc.name, sc.steps) as progress:
         # tidy=False: `epsim run` exits right after the verdict (os._exit), so the simulated world is never

@@ -1,6 +1,6 @@
 """What the engine posts to a worker, in either world: the simulated worker (``sim/worker.py``) and a real rank
-(``real_backends/cluster.py`` sends it over its socket).  Its own module so that the engine, which both worlds
-share, does not import the simulated worker (and torch) with it."""
+(``real_backends/cluster.py`` takes its kind and arguments to the rank over its socket).  Its own module so that the
+engine, which both worlds share, does not import the simulated worker (and torch) with it."""
 
 from __future__ import annotations
 

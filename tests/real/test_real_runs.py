@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import epsim, epsim_here, real_nixl_or_skip
+from tests.conftest import epsim, epsim_here, epsim_loading, real_nixl_or_skip
 
 UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
 DOWN_3_TO_2 = ("scale-down", "--set", "ranks=3", "--set", "timeline.0.to=2")
@@ -243,14 +241,11 @@ def test_a_short_timeout_does_not_count_the_ranks_start_up():
     """--timeout does not cover a rank's interpreter and imports, or a short one would make a stuck run.  The run's
     own process, which starts the ranks and judges them, does not load the simulator (its kernel, workers or the
     fake NIXL): the engine, the oracles and the result are what the two worlds share."""
-    probe = ("import json, sys\nfrom sim import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n"
-             "    pass\nprint(json.dumps(sorted(m for m in ('sim.cluster', 'sim.worker', 'sim.kernel', 'simpy', "
-             "'greenlet', 'fakes.nixl._agent', 'fakes.torch_dist') if m in sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", probe, "run", "steady", "--set", "steps=600", "--timeout", "2",
-                           "--backend", "real", "--json"], capture_output=True, text=True, timeout=300)
-    *_, result, simulator = done.stdout.strip().splitlines()
-    assert json.loads(result)["verdict"] == "pass", done.stdout + done.stderr[-2000:]
-    assert json.loads(simulator) == []
+    done, simulator = epsim_loading("run", "steady", "--set", "steps=600", "--timeout", "2", "--backend", "real",
+                                    "--json", watch=("sim.cluster", "sim.worker", "sim.kernel", "simpy", "greenlet",
+                                                     "fakes.nixl._agent", "fakes.torch_dist"))
+    assert json.loads(done.stdout.strip().splitlines()[-1])["verdict"] == "pass", done.stdout + done.stderr[-2000:]
+    assert simulator == []
 
 
 def test_a_progress_delay_reaches_the_agent_config_and_a_bad_one_is_one_line(monkeypatch):

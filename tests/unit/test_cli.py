@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import epsim, epsim_here
+from tests.conftest import epsim, epsim_here, epsim_loading
 
 
 def test_version() -> None:
@@ -40,12 +38,9 @@ def test_bad_arguments_are_refused_before_the_simulation_is_imported(tmp_path) -
     the scenario, the fault catalogue and the bundle reader."""
     cases = [["run", "no-such-scenario"], ["run", "scale-up", "--fault", "no.such:site"],
              ["replay", str(tmp_path / "no-bundle")], ["shrink", str(tmp_path / "no-bundle")], ["scenarios"]]
-    probe = ("import sys\nfrom sim import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-             "heavy = sorted(m for m in ('torch', 'numpy', 'simpy', 'fakes.nixl._agent') if m in sys.modules)\n"
-             "print('IMPORTED', heavy, file=sys.stderr)")
     for args in cases:
-        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
-        assert done.stderr.strip().splitlines()[-1] == "IMPORTED []", (args, done.stderr)
+        done, heavy = epsim_loading(*args, watch=("torch", "numpy", "simpy", "fakes.nixl._agent"), timeout=120)
+        assert heavy == [], (args, done.stderr)
 
 
 def test_conform_fake_json_names_dram() -> None:
