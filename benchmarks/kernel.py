@@ -100,5 +100,10 @@ def measure(n: int, iterations: int, barrier_every: int = 10, repeats: int = 3) 
         waits = w1
         best_simpy, best_kernel = min(best_simpy, t1), min(best_kernel, t2)
     simpy_rate, kernel_rate = waits / best_simpy, waits / best_kernel
-    return {"processes": n, "waits": waits, "simpy_waits_per_s": round(simpy_rate),
-            "kernel_waits_per_s": round(kernel_rate), "ratio": round(kernel_rate / simpy_rate, 3)}
+    return {
+        "processes": n,
+        "waits": waits,
+        "simpy_waits_per_s": round(simpy_rate),
+        "kernel_waits_per_s": round(kernel_rate),
+        "ratio": round(kernel_rate / simpy_rate, 3),
+    }

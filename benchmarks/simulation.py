@@ -23,9 +23,16 @@ def time_acceleration(quick: bool = False) -> dict[str, Any]:
         sc = scenario_mod.with_overrides(sc, steps=15_000, timeline=[sc.timeline[0].model_dump()])
         label += " (first 15,000 steps)"
     r = _run(sc)
-    return {"scenario": label, "sim_time_s": round(r.sim_time_s, 1), "wall_s": r.wall_s, "events": r.events,
-            "transfers": r.metrics.get("transfers", 0), "verdict": r.verdict, "trace_hash": r.trace_hash,
-            "ratio": round(r.sim_time_s / r.wall_s, 1)}
+    return {
+        "scenario": label,
+        "sim_time_s": round(r.sim_time_s, 1),
+        "wall_s": r.wall_s,
+        "events": r.events,
+        "transfers": r.metrics.get("transfers", 0),
+        "verdict": r.verdict,
+        "trace_hash": r.trace_hash,
+        "ratio": round(r.sim_time_s / r.wall_s, 1),
+    }
 
 
 def shape(ranks: int, layers: int = 8):
@@ -35,9 +42,17 @@ def shape(ranks: int, layers: int = 8):
 
     grow = ranks + max(1, ranks // 8)
     data = {
-        "name": f"scaling-ep{ranks}", "ranks": ranks, "max_ranks": grow,
-        "model": {"layers": layers, "experts": 4 * ranks, "local_experts": 5, "hidden": 4, "tensors_per_layer": 4,
-                  "nominal_expert_bytes": 44040192},
+        "name": f"scaling-ep{ranks}",
+        "ranks": ranks,
+        "max_ranks": grow,
+        "model": {
+            "layers": layers,
+            "experts": 4 * ranks,
+            "local_experts": 5,
+            "hidden": 4,
+            "tensors_per_layer": 4,
+            "nominal_expert_bytes": 44040192,
+        },
         "eplb": {"step_interval": 3000, "window": 1000, "use_async": True},
         "serving": {"step_time_s": 0.05, "tokens_per_step": 256, "top_k": 8, "skew": 1.2},
         "timeline": [{"at_step": 4000, "kind": "scale_up", "to": grow, "prepare_s": 20.0}],
@@ -52,8 +67,16 @@ def scaling(quick: bool = False, layers: int = 8) -> dict[str, Any]:
     points = []
     for ranks in ranks_list:
         r = _run(shape(ranks, layers))
-        points.append({"ranks": ranks, "layers": layers, "wall_s": r.wall_s, "events": r.events,
-                       "transfers": r.metrics.get("transfers", 0), "verdict": r.verdict})
+        points.append(
+            {
+                "ranks": ranks,
+                "layers": layers,
+                "wall_s": r.wall_s,
+                "events": r.events,
+                "transfers": r.metrics.get("transfers", 0),
+                "verdict": r.verdict,
+            }
+        )
     xs = [math.log(p["ranks"] * p["layers"]) for p in points]
     ys = [math.log(p["wall_s"]) for p in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

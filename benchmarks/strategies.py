@@ -43,8 +43,13 @@ class CarefulSharedAgent(SharedAgentNixlCommunicator):
     clean_peers = True  # the replaced communicator's finalizer removes departed peers
     deregister_on_del = False  # the mistake: a finalizer that deregisters the shared registrations
 
-    def __init__(self, group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-                 prev_communicator: Any = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        expert_weights: Sequence[Sequence[Any]],
+        expert_buffer: Sequence[Any],
+        prev_communicator: Any = None,
+    ) -> None:
         super().__init__(group, expert_weights, expert_buffer, prev_communicator)
         agent = self.nixl_wrapper
         self._successor_names: set[str] | None = None

@@ -45,8 +45,9 @@ def _plain(specs) -> float:
                 return answer.get(timeout=5)
             except queue.Empty:
                 if not proc.is_alive():
-                    raise RuntimeError(f"the plain loop's process ended (exit status {proc.exitcode}) without a "
-                                       f"result") from None
+                    raise RuntimeError(
+                        f"the plain loop's process ended (exit status {proc.exitcode}) without a result"
+                    ) from None
     finally:
         proc.join(timeout=60)
 
@@ -75,22 +76,31 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
     # as machinery, and a sweep that long already amortises it as longer ones do.  (200 runs were that long until a
     # run stopped scanning the caller's heap at every planned collection and took 35 ms instead of 170.)
     n = runs or (200 if quick else 1000)
-    seeds = iter(range(0, 10 ** 9, n))
+    seeds = iter(range(0, 10**9, n))
 
     def specs():
         first = next(seeds)
         return plan("scale-up", range(first, first + n))
 
-    arms = {"plain": lambda: _plain(specs()), "local1": lambda: _through(specs(), executors.LocalEngine(1)),
-            "local2": lambda: _through(specs(), executors.LocalEngine(2))}
+    arms = {
+        "plain": lambda: _plain(specs()),
+        "local1": lambda: _through(specs(), executors.LocalEngine(1)),
+        "local2": lambda: _through(specs(), executors.LocalEngine(2)),
+    }
     seconds = dict.fromkeys(arms, 0.0)
     for order in (list(arms), list(reversed(arms))):
         for name in order:
             seconds[name] += n / arms[name]()
     plain, one, two = (2 * n / seconds[name] for name in arms)
-    out: dict[str, Any] = {"runs": n, "passes": 2, "plain_runs_per_s": round(plain, 2),
-                           "local1_runs_per_s": round(one, 2), "local2_runs_per_s": round(two, 2),
-                           "overhead": round(1 - one / plain, 3), "parallel_efficiency": round(two / (2 * one), 3)}
+    out: dict[str, Any] = {
+        "runs": n,
+        "passes": 2,
+        "plain_runs_per_s": round(plain, 2),
+        "local1_runs_per_s": round(one, 2),
+        "local2_runs_per_s": round(two, 2),
+        "overhead": round(1 - one / plain, 3),
+        "parallel_efficiency": round(two / (2 * one), 3),
+    }
     if not ray:
         return out
     try:
@@ -140,8 +150,17 @@ def time_to_detect(quick: bool = False) -> dict[str, Any]:
                 with tempfile.TemporaryDirectory() as tmp:
                     path = bundle.write(spec, row, Path(tmp))
                     res = shrink.shrink(path, Path(tmp) / "shrunk", max_runs=60)
-                    shrunk = {"faults_before": len(row["faults_armed"]), "faults_after": len(res.final.faults),
-                              "elastic_events_after": len(res.final.scenario.timeline), "signature": row["signature"]}
-        out[name] = {"strategy": strategy, "seeds_to_detect": counts, "median": statistics.median(counts),
-                     "limit": limit, "shrunk": shrunk}
+                    shrunk = {
+                        "faults_before": len(row["faults_armed"]),
+                        "faults_after": len(res.final.faults),
+                        "elastic_events_after": len(res.final.scenario.timeline),
+                        "signature": row["signature"],
+                    }
+        out[name] = {
+            "strategy": strategy,
+            "seeds_to_detect": counts,
+            "median": statistics.median(counts),
+            "limit": limit,
+            "shrunk": shrunk,
+        }
     return out

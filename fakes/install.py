@@ -23,12 +23,30 @@ NIXL_PACKAGES = ("nixl", "nixl_cu12", "nixl_cu13", "rixl", "nixl_rocm")
 def _package(name: str) -> dict[str, types.ModuleType]:
     pkg = types.ModuleType(name, f"epsim fake standing in for {name} (NIXL 1.5.1)")
     pkg.__path__ = []  # a package, so that `import name._api` resolves through sys.modules
-    exports = ("DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
-               "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle")
-    vars(pkg).update({export: getattr(_api, export) for export in exports}, __epsim_fake__=True, _api=_api,
-                     _bindings=_bindings, _utils=_utils, logging=nixl_logging)
-    return {name: pkg, f"{name}._api": _api, f"{name}._bindings": _bindings, f"{name}._utils": _utils,
-            f"{name}.logging": nixl_logging}
+    exports = (
+        "DEFAULT_COMM_PORT",
+        "nixl_agent",
+        "nixl_agent_config",
+        "nixl_backend_handle",
+        "nixl_prepped_dlist_handle",
+        "nixl_thread_sync_t",
+        "nixl_xfer_handle",
+    )
+    vars(pkg).update(
+        {export: getattr(_api, export) for export in exports},
+        __epsim_fake__=True,
+        _api=_api,
+        _bindings=_bindings,
+        _utils=_utils,
+        logging=nixl_logging,
+    )
+    return {
+        name: pkg,
+        f"{name}._api": _api,
+        f"{name}._bindings": _bindings,
+        f"{name}._utils": _utils,
+        f"{name}.logging": nixl_logging,
+    }
 
 
 @contextlib.contextmanager

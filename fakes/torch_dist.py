@@ -128,8 +128,14 @@ def _copy(value: Any, copiers: dict[int, Callable[[], Any]] | None = None) -> An
 class Rendezvous:
     """What the members of one group generation share."""
 
-    def __init__(self, kernel, name: str, pids: list[int], timeout_s: float = 300.0,
-                 latency_s: float | Callable[[str], float] = 0.0) -> None:
+    def __init__(
+        self,
+        kernel,
+        name: str,
+        pids: list[int],
+        timeout_s: float = 300.0,
+        latency_s: float | Callable[[str], float] = 0.0,
+    ) -> None:
         self.kernel, self.name, self.pids, self.timeout_s = kernel, name, list(pids), timeout_s
         # From the last arrival to the result (a calibration measures gloo's): seconds, or asked of a callable with
         # the collective's kind when it completes (an object collective pickles and makes two; the cost depends on
@@ -160,8 +166,9 @@ class Rendezvous:
         another thread's on the other."""
         found = self._siblings.get(kind)
         if found is None:
-            found = self._siblings[kind] = Rendezvous(self.kernel, f"{self.name}/{kind}", self.pids, self.timeout_s,
-                                                      self.latency_s)
+            found = self._siblings[kind] = Rendezvous(
+                self.kernel, f"{self.name}/{kind}", self.pids, self.timeout_s, self.latency_s
+            )
             found.destroyed = self._destroyed
         return found
 
@@ -190,8 +197,9 @@ class Rendezvous:
     def groups(self) -> list["FakeProcessGroup"]:
         return [FakeProcessGroup(self, r) for r in range(len(self.pids))]
 
-    def run(self, rank: int, kind: str, contribution: Any, combine, private: bool = False,
-            timeout_s: float | None = None) -> Any:
+    def run(
+        self, rank: int, kind: str, contribution: Any, combine, private: bool = False, timeout_s: float | None = None
+    ) -> Any:
         """Issue this rank's collective ``kind`` and wait for its result.  ``private``: the caller only reads the
         result (all_reduce copies it into the rank's own tensor), so it is not copied for each rank."""
         return self.finish(self.arrive(rank, kind, contribution, combine), rank, private, timeout_s)
@@ -206,22 +214,26 @@ class Rendezvous:
         if caller is not None and caller.pid != self.pids[rank]:
             # Processes share no objects: a group handle used by another process is a bug in the caller, which
             # would otherwise take that member's place in the collective.
-            raise RuntimeError(f"{kind} on group {self.name}: pid {caller.pid} used the handle of rank {rank} "
-                               f"(pid {self.pids[rank]})")
+            raise RuntimeError(
+                f"{kind} on group {self.name}: pid {caller.pid} used the handle of rank {rank} (pid {self.pids[rank]})"
+            )
         mine = _copy(contribution)  # serialized before anything is sent: an object that cannot be is refused here
         seq = self._next_seq[rank]
         self._next_seq[rank] += 1
         op = self._ops.get(seq)
         if op is None:
             env = self.kernel.env
-            op = self._ops[seq] = _Op(kind, seq, done=env.event(), deadline=env.timeout(self.timeout_s),
-                                      deadline_at=env.now + self.timeout_s)
+            op = self._ops[seq] = _Op(
+                kind, seq, done=env.event(), deadline=env.timeout(self.timeout_s), deadline_at=env.now + self.timeout_s
+            )
         elif op.kind != kind:
-            raise CollectiveMismatch(f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, "
-                                     f"others {op.kind}")
+            raise CollectiveMismatch(
+                f"collective #{seq} on group {self.name}: rank {rank} issued {kind}, others {op.kind}"
+            )
         op.args[rank] = mine
-        self.kernel.history.record("collective.arrive", group=self.name, op=kind, seq=seq,
-                                   pid=self.pids[rank], rank=rank)
+        self.kernel.history.record(
+            "collective.arrive", group=self.name, op=kind, seq=seq, pid=self.pids[rank], rank=rank
+        )
         if len(op.args) == len(self.pids):
             try:
                 results = combine([op.args[r] for r in range(len(self.pids))])
@@ -232,7 +244,8 @@ class Rendezvous:
             latency = self.latency_s(kind) if callable(self.latency_s) else self.latency_s
             if latency > 0:
                 self.kernel.env.timeout(latency).callbacks.append(
-                    lambda _, done=op.done, results=results: done.succeed(results))
+                    lambda _, done=op.done, results=results: done.succeed(results)
+                )
             else:
                 op.done.succeed(results)
         return op
@@ -246,8 +259,7 @@ class Rendezvous:
         own_due = math.inf
         # Closed since this collective was issued: by a member's death, whatever the time; by another collective's
         # failure, unless this one's own deadline has passed too (then it timed out, below).
-        if not op.done.triggered and self.broken is not None and (self._gone is not None
-                                                                  or not op.deadline.processed):
+        if not op.done.triggered and self.broken is not None and (self._gone is not None or not op.deadline.processed):
             raise self._closed_error(f"{kind} #{seq}")
         if not op.done.triggered:
             env = self.kernel.env
@@ -267,23 +279,32 @@ class Rendezvous:
             missing = [r for r in range(len(self.pids)) if r not in op.args]
             pids = [self.pids[r] for r in missing]
             if not op.deadline.processed:  # this wait's own bound, not the group's timeout
-                self.kernel.history.record("collective.wait_timeout", group=self.name, op=kind, seq=seq,
-                                           pid=self.pids[rank], missing=pids)
+                self.kernel.history.record(
+                    "collective.wait_timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank], missing=pids
+                )
                 lag = f"ranks {missing} (pids {pids}) had not arrived" if missing else "the result had not landed"
-                raise CollectiveTimeout(f"Operation timed out! ({kind} #{seq} on group {self.name}: {lag} after "
-                                        f"Work.wait's {timeout_s:g} s)", missing)
-            self.kernel.history.record("collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank],
-                                       missing=pids)
+                raise CollectiveTimeout(
+                    f"Operation timed out! ({kind} #{seq} on group {self.name}: {lag} after "
+                    f"Work.wait's {timeout_s:g} s)",
+                    missing,
+                )
+            self.kernel.history.record(
+                "collective.timeout", group=self.name, op=kind, seq=seq, pid=self.pids[rank], missing=pids
+            )
             self._close(f"collective #{seq} timed out on rank {rank}")
             raise CollectiveTimeout(
                 f"{kind} #{seq} on group {self.name} timed out after {self.timeout_s:g} s: ranks "
-                f"{missing} (pids {pids}) never arrived", missing)
+                f"{missing} (pids {pids}) never arrived",
+                missing,
+            )
         if op.error is not None:
             who, exc = op.error
             if who == rank:
                 raise exc
-            raise RuntimeError(f"{kind} #{seq} on group {self.name}: connection closed by peer (rank {who}: "
-                               f"{type(exc).__name__}: {exc})")
+            raise RuntimeError(
+                f"{kind} #{seq} on group {self.name}: connection closed by peer (rank {who}: "
+                f"{type(exc).__name__}: {exc})"
+            )
         results = op.done.value
         return results[rank] if private else _copy(results[rank], op.copiers)
 
@@ -371,8 +392,9 @@ class _Work:
             # torch hands gloo whole milliseconds, and gloo takes zero for no bound; a negative bound is up at once.
             # A wait that timed out leaves _waited False: a later one may still finish.
             ms = None if limit is None else int(float(limit) * 1000)
-            result = self._g.rendezvous.finish(self._op, self._g.rank(), self._private,
-                                               None if not ms else max(ms, 0) / 1000)
+            result = self._g.rendezvous.finish(
+                self._op, self._g.rank(), self._private, None if not ms else max(ms, 0) / 1000
+            )
             self._waited = True
             if self._then is not None:
                 self._then(result)
@@ -408,14 +430,16 @@ def all_gather_object(object_list: list, obj: Any, group=None) -> None:
         object_list[i] = value
 
 
-def broadcast_object_list(object_list: list, src: int | None = None, group=None, device=None,
-                          group_src: int | None = None) -> None:
+def broadcast_object_list(
+    object_list: list, src: int | None = None, group=None, device=None, group_src: int | None = None
+) -> None:
     g = _group(group)
     if src is not None and group_src is not None:
         raise ValueError("Can't specify both group_rank and global_rank")
     if group_src is None:  # src (default 0) is a global rank, which a stateless group has no map for
-        raise ValueError(f"Process group {g!r} is not initialized in the world group map. Please initialize the "
-                         "group first.")
+        raise ValueError(
+            f"Process group {g!r} is not initialized in the world group map. Please initialize the group first."
+        )
     if not 0 <= group_src < g.size():
         raise ValueError(f"Group rank {group_src} is not part of group {g!r}")
     root = group_src
@@ -424,8 +448,10 @@ def broadcast_object_list(object_list: list, src: int | None = None, group=None,
         roots = {r for r, _ in contributions}
         sizes = {len(objs) for _, objs in contributions}
         if len(roots) > 1 or len(sizes) > 1:
-            raise CollectiveMismatch(f"broadcast_object_list on group {g.group_name}: ranks gave sources "
-                                     f"{sorted(roots)} and list lengths {sorted(sizes)}")
+            raise CollectiveMismatch(
+                f"broadcast_object_list on group {g.group_name}: ranks gave sources "
+                f"{sorted(roots)} and list lengths {sorted(sizes)}"
+            )
         return [contributions[root][1]] * len(contributions)
 
     result = g.rendezvous.run(g.rank(), "broadcast_object_list", (root, list(object_list)), pick)
@@ -463,16 +489,24 @@ def all_reduce(tensor, op=None, group=None, async_op: bool = False):
     if name in _BITWISE and not integral:
         raise RuntimeError(f"Cannot use ReduceOp.{name} with non-integral dtype")
     if name == "AVG" and integral:
-        dtype = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
-                 torch.uint8: "Byte", torch.bool: "Bool"}.get(tensor.dtype, str(tensor.dtype))
+        dtype = {
+            torch.int64: "Long",
+            torch.int32: "Int",
+            torch.int16: "Short",
+            torch.int8: "Char",
+            torch.uint8: "Byte",
+            torch.bool: "Bool",
+        }.get(tensor.dtype, str(tensor.dtype))
         raise RuntimeError(f"result type Float can't be cast to the desired output type {dtype}")
 
     def reduce(values):
         first = values[0]
         if any(v.dtype != first.dtype or v.shape != first.shape for v in values):
-            raise RuntimeError(f"all_reduce on group {g.group_name}: ranks gave tensors of different shapes or "
-                               f"dtypes ({sorted({(tuple(v.shape), str(v.dtype)) for v in values})}): gloo "
-                               "receives a different data size than it expects")
+            raise RuntimeError(
+                f"all_reduce on group {g.group_name}: ranks gave tensors of different shapes or "
+                f"dtypes ({sorted({(tuple(v.shape), str(v.dtype)) for v in values})}): gloo "
+                "receives a different data size than it expects"
+            )
         if name in _BITWISE:
             fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[name]
             out = values[0].clone()
@@ -480,8 +514,13 @@ def all_reduce(tensor, op=None, group=None, async_op: bool = False):
                 out = fn(out, v)
             return [out] * len(values)
         stacked = torch.stack(values)
-        out = {"SUM": lambda s: s.sum(0), "MAX": lambda s: s.max(0).values, "MIN": lambda s: s.min(0).values,
-               "PRODUCT": lambda s: s.prod(0), "AVG": lambda s: s.sum(0) / len(values)}[name](stacked)
+        out = {
+            "SUM": lambda s: s.sum(0),
+            "MAX": lambda s: s.max(0).values,
+            "MIN": lambda s: s.min(0).values,
+            "PRODUCT": lambda s: s.prod(0),
+            "AVG": lambda s: s.sum(0) / len(values),
+        }[name](stacked)
         return [out] * len(values)
 
     op_ = g.rendezvous.arrive(g.rank(), f"all_reduce[{name}]", tensor.detach().cpu(), reduce)

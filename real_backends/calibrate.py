@@ -150,15 +150,33 @@ def measure_process_start(repeats: int = 3) -> float:
 # first minute want it: about half the time on a 2-core machine, too few samples to trust the numbers).
 KIB = 1 << 10
 FULL: dict[str, Any] = {
-    "sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64), "repeats": 9, "collectives": COLLECTIVE_REPEATS, "starts": 3,
-    "share_mib": 4, "share_repeats": 5, "collects": 7,
-    "load": {"ranks": (2, 3, 4), "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB), "reads": (1, 2, 4),
-             "repeats": 7, "collects": 3}, "fit_runs": 3}
+    "sizes_mib": (1 / 16, 1 / 4, 1, 4, 16, 64),
+    "repeats": 9,
+    "collectives": COLLECTIVE_REPEATS,
+    "starts": 3,
+    "share_mib": 4,
+    "share_repeats": 5,
+    "collects": 7,
+    "load": {
+        "ranks": (2, 3, 4),
+        "row_bytes": (256 * KIB, 1024 * KIB, 4096 * KIB),
+        "reads": (1, 2, 4),
+        "repeats": 7,
+        "collects": 3,
+    },
+    "fit_runs": 3,
+}
 QUICK: dict[str, Any] = {
-    "sizes_mib": (1 / 16, 1, 16), "repeats": 3, "collectives": 50, "starts": 1, "share_mib": 1,
-    "share_repeats": 3, "collects": 3,
-    "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3,
-             "collects": 1}, "fit_runs": 1}
+    "sizes_mib": (1 / 16, 1, 16),
+    "repeats": 3,
+    "collectives": 50,
+    "starts": 1,
+    "share_mib": 1,
+    "share_repeats": 3,
+    "collects": 3,
+    "load": {"ranks": (2, 3), "row_bytes": (256 * KIB, 1024 * KIB), "reads": (1, 2), "repeats": 3, "collects": 1},
+    "fit_runs": 1,
+}
 
 
 def _finite(seconds: float) -> float:
@@ -183,24 +201,31 @@ def measure(device: str = "cpu", quick: bool = False, progress: Callable[[str], 
     # Every size loads the peer afresh: its first READ over a steady one is the connection's cost.
     connect = statistics.median(max(0.0, v["first_s"] - v["nixl_s"]) for v in reads["sizes"].values())
     progress("collectives, process starts, collections, concurrent READs")
-    measured = Calibration(xfer_latency_s=latency, bandwidth_Bps=bandwidth, connect_s=connect,
-                           collective_latency_s=measure_collective(how["collectives"]),
-                           process_start_s=measure_process_start(how["starts"]),
-                           collect_s=_finite(measure_collect(how["collects"])),
-                           concurrent_share=measure_concurrent_share(device, mib=how["share_mib"],
-                                                                     repeats=how["share_repeats"]),
-                           quick=quick, device=device, memory=reads["memory"],
-                           progress_delay_us=progress_delay_us(),
-                           loaded=measure_loaded(how["load"], device, progress),
-                           nixl=reads["package"], host=platform.node(),
-                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           points=[{"bytes": b, "seconds": t} for b, t in points])
+    measured = Calibration(
+        xfer_latency_s=latency,
+        bandwidth_Bps=bandwidth,
+        connect_s=connect,
+        collective_latency_s=measure_collective(how["collectives"]),
+        process_start_s=measure_process_start(how["starts"]),
+        collect_s=_finite(measure_collect(how["collects"])),
+        concurrent_share=measure_concurrent_share(device, mib=how["share_mib"], repeats=how["share_repeats"]),
+        quick=quick,
+        device=device,
+        memory=reads["memory"],
+        progress_delay_us=progress_delay_us(),
+        loaded=measure_loaded(how["load"], device, progress),
+        nixl=reads["package"],
+        host=platform.node(),
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        points=[{"bytes": b, "seconds": t} for b, t in points],
+    )
     progress(f"fitting the stall on {how['fit_runs']} real runs of {FIT_CASE[0]} {FIT_CASE[2]}->{FIT_CASE[3]}")
     return fit_stalls(measured, device, repeats=how["fit_runs"])[0]
 
 
-def measure_loaded(plan: dict[str, Any], device: str = "cpu",
-                   progress: Callable[[str], None] = _quiet) -> list[HostLoad]:
+def measure_loaded(
+    plan: dict[str, Any], device: str = "cpu", progress: Callable[[str], None] = _quiet
+) -> list[HostLoad]:
     """A :class:`HostLoad` row for each number of rank processes in ``plan["ranks"]``."""
     from . import host_load
 
@@ -210,9 +235,17 @@ def measure_loaded(plan: dict[str, Any], device: str = "cpu",
         got = host_load.measure(n, {**plan, "device": device})
         latency, post, bandwidth = host_load.fit_rounds(got["rounds"], got["collective_s"])
         copy_latency, copy_bandwidth = fit(got["copies"])
-        rows.append({**{k: v for k, v in got.items() if k not in ("rounds", "copies")}, "xfer_latency_s": latency,
-                     "post_s": post, "bandwidth_Bps": bandwidth, "copy_latency_s": copy_latency,
-                     "copy_Bps": copy_bandwidth, "rounds": [list(r) for r in got["rounds"]]})
+        rows.append(
+            {
+                **{k: v for k, v in got.items() if k not in ("rounds", "copies")},
+                "xfer_latency_s": latency,
+                "post_s": post,
+                "bandwidth_Bps": bandwidth,
+                "copy_latency_s": copy_latency,
+                "copy_Bps": copy_bandwidth,
+                "rounds": [list(r) for r in got["rounds"]],
+            }
+        )
     # With two processes an agent loads one peer: its later add_remote_agent takes the rows that measured one.
     later = [r["remote_setup_s"] for r in rows if r["remote_setup_s"] is not None]
     for r in rows:
@@ -234,24 +267,35 @@ def measure_concurrent_share(device: str = "cpu", k: int = 4, mib: float = 4, re
 # the strategy that passes there (the others keep a departed rank's agent as a peer), and it makes an agent per
 # communicator.  The abort (vLLM PR #53947's lifecycle, the scenario's own) is followed by a scale-up to 4.
 FIT_CASE = ("scale-up", "shared-agent", 2, 3, 4, 1 << 20)
-COMPARISONS = (("scale-up", "shared-agent", 2, 4, 2, 256 * KIB),
-               ("scale-up", "shared-agent", 3, 4, 8, 1 << 20),
-               ("scale-down", "per-communicator-agent", 3, 2, 4, 1 << 20),
-               ("scale-up", "per-communicator-agent", 2, 3, 1, 4 << 20),
-               ("abort", "shared-agent", 2, 4, 2, 1 << 20))
+COMPARISONS = (
+    ("scale-up", "shared-agent", 2, 4, 2, 256 * KIB),
+    ("scale-up", "shared-agent", 3, 4, 8, 1 << 20),
+    ("scale-down", "per-communicator-agent", 3, 2, 4, 1 << 20),
+    ("scale-up", "per-communicator-agent", 2, 3, 1, 4 << 20),
+    ("abort", "shared-agent", 2, 4, 2, 1 << 20),
+)
 QUICK_COMPARISONS = COMPARISONS[:1]
 
 
-def comparison_scenario(name: str = "scale-up", ranks: int = 2, to: int = 3, layers: int = 4,
-                        row_bytes: int = ROW_FLOATS * 4):
+def comparison_scenario(
+    name: str = "scale-up", ranks: int = 2, to: int = 3, layers: int = 4, row_bytes: int = ROW_FLOATS * 4
+):
     """``name`` from ``ranks`` to ``to`` ranks with ``layers`` layers and expert rows of ``row_bytes`` (per weight
     tensor): the nominal size is the real one, so both worlds move the same bytes."""
     from sim import scenario as scenario_mod
 
     sc = scenario_mod.load(name)
-    return scenario_mod.with_overrides(sc, **{
-        "ranks": ranks, "timeline.0.to": to, "max_ranks": max(ranks, to), "model.layers": layers,
-        "model.hidden": row_bytes // 4, "model.nominal_expert_bytes": row_bytes * sc.model.tensors_per_layer})
+    return scenario_mod.with_overrides(
+        sc,
+        **{
+            "ranks": ranks,
+            "timeline.0.to": to,
+            "max_ranks": max(ranks, to),
+            "model.layers": layers,
+            "model.hidden": row_bytes // 4,
+            "model.nominal_expert_bytes": row_bytes * sc.model.tensors_per_layer,
+        },
+    )
 
 
 def as_real_runs(sc):
@@ -265,8 +309,7 @@ def as_real_runs(sc):
     return scenario_mod.with_overrides(sc, **over)
 
 
-def compare_one(calibration: Calibration, case: tuple, device: str = "cpu", timeout_s: float = 300.0
-                ) -> dict[str, Any]:
+def compare_one(calibration: Calibration, case: tuple, device: str = "cpu", timeout_s: float = 300.0) -> dict[str, Any]:
     """Simulated against measured time of each rebalance and reconfiguration (and its phases) of one case."""
     from sim.run import run_scenario
 
@@ -294,15 +337,27 @@ def compare_one(calibration: Calibration, case: tuple, device: str = "cpu", time
         if key not in measured_of:
             continue
         simulated, measured = b - a, measured_of[key]
-        rows.append({"what": what, "simulated_s": round(simulated, 6), "measured_s": round(measured, 6),
-                     "error": round((simulated - measured) / measured, 3) if measured > 0 else None})
+        rows.append(
+            {
+                "what": what,
+                "simulated_s": round(simulated, 6),
+                "measured_s": round(measured, 6),
+                "error": round((simulated - measured) / measured, 3) if measured > 0 else None,
+            }
+        )
     complete = len(rows) == len(sim.spans) == len(real.spans) and sim.verdict == real.verdict == "pass"
     kib = row_bytes >> 10
     rows_label = f"{kib >> 10} MiB" if kib >= 1024 else f"{kib} KiB"
-    return {"scenario": f"{name} {ranks}->{to}, {layers} layers, {rows_label} expert rows, {strategy}",
-            "sim_verdict": sim.verdict, "real_verdict": real.verdict, "real_detail": real.detail,
-            "complete": complete, "spans_simulated": len(sim.spans), "spans_measured": len(real.spans),
-            "spans": rows}
+    return {
+        "scenario": f"{name} {ranks}->{to}, {layers} layers, {rows_label} expert rows, {strategy}",
+        "sim_verdict": sim.verdict,
+        "real_verdict": real.verdict,
+        "real_detail": real.detail,
+        "complete": complete,
+        "spans_simulated": len(sim.spans),
+        "spans_measured": len(real.spans),
+        "spans": rows,
+    }
 
 
 def _rebalances(spans) -> list[float]:
@@ -310,8 +365,9 @@ def _rebalances(spans) -> list[float]:
     return [b - a for what, a, b in spans if what == "rebalance"]
 
 
-def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_CASE, timeout_s: float = 300.0,
-               repeats: int = 3) -> tuple[Calibration, dict[str, Any]]:
+def fit_stalls(
+    calibration: Calibration, device: str = "cpu", case: tuple = FIT_CASE, timeout_s: float = 300.0, repeats: int = 3
+) -> tuple[Calibration, dict[str, Any]]:
     """Fit ``stall_s`` on ``repeats`` real runs of ``case``: ``stall_s = ranks * s``, the one ``s`` that makes the
     median error of the simulated rebalances against the measured ones zero (bisection: the simulation is
     deterministic and its rebalances grow with ``s``).  Proportional to the ranks, because the wait is for the last
@@ -329,17 +385,21 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
     for _ in range(repeats):
         real = run_real(sc, strategy=strategy, device=device, timeout_s=timeout_s)
         if real.verdict != "pass":
-            raise RuntimeError(f"a fitting run ({name} {ranks}->{to}) did not pass on the real backend: "
-                               f"{real.verdict} {real.detail or ''}".strip())
+            raise RuntimeError(
+                f"a fitting run ({name} {ranks}->{to}) did not pass on the real backend: "
+                f"{real.verdict} {real.detail or ''}".strip()
+            )
         runs.append(_rebalances(real.spans))
 
     def with_stall(per_rank: float) -> Calibration:
-        return calibration.model_copy(update={"loaded": [r.model_copy(update={"stall_s": r.ranks * per_rank})
-                                                         for r in calibration.loaded]})
+        return calibration.model_copy(
+            update={"loaded": [r.model_copy(update={"stall_s": r.ranks * per_rank}) for r in calibration.loaded]}
+        )
 
     def error(per_rank: float) -> float:
-        sim = run_scenario(as_real_runs(sc), strategy=strategy, profile=predicted_profile(device),
-                           calibration=with_stall(per_rank))
+        sim = run_scenario(
+            as_real_runs(sc), strategy=strategy, profile=predicted_profile(device), calibration=with_stall(per_rank)
+        )
         simulated = _rebalances(sim.spans)
         return statistics.median(a / b - 1 for measured in runs for a, b in zip(simulated, measured) if b > 0)
 
@@ -355,32 +415,46 @@ def fit_stalls(calibration: Calibration, device: str = "cpu", case: tuple = FIT_
     per_rank = (lo + hi) / 2
     label = f"{name} {ranks}->{to}, {layers} layers, {row_bytes >> 10} KiB expert rows, {strategy}"
     return with_stall(per_rank).model_copy(update={"fitted_on": label}), {
-        "case": label, "stall_per_rank_s": per_rank,
-        "measured_rebalance_s": [[round(v, 6) for v in measured] for measured in runs]}
+        "case": label,
+        "stall_per_rank_s": per_rank,
+        "measured_rebalance_s": [[round(v, 6) for v in measured] for measured in runs],
+    }
 
 
-def compare(calibration: Calibration, device: str = "cpu", timeout_s: float = 300.0,
-            cases: tuple = COMPARISONS, progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+def compare(
+    calibration: Calibration,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
+    cases: tuple = COMPARISONS,
+    progress: Callable[[str], None] = _quiet,
+) -> dict[str, Any]:
     """Every case of :func:`compare_one` and, first, the fitting run's own case (``fitted``: its rebalances decided
     stall_s, so it says how well the fit took, not how well the model predicts); the median error of each kind of
     span over the judged runs, and over the fitted one apart."""
     runs = []
     for i, case in enumerate((FIT_CASE, *cases)):
         name, _, ranks, to, layers, row_bytes = case
-        progress(f"comparing {i + 1}/{len(cases) + 1}: {name} {ranks}->{to}, {layers} layers, "
-                 f"{row_bytes >> 10} KiB rows, in both worlds")
+        progress(
+            f"comparing {i + 1}/{len(cases) + 1}: {name} {ranks}->{to}, {layers} layers, "
+            f"{row_bytes >> 10} KiB rows, in both worlds"
+        )
         runs.append({**compare_one(calibration, case, device, timeout_s), "fitted": i == 0})
 
     def summary(chosen: list[dict[str, Any]]) -> dict[str, Any]:
         out = {}
         for kind in sorted({r["what"] for run in chosen for r in run["spans"]}):
-            errors = [r["error"] for run in chosen for r in run["spans"]
-                      if r["what"] == kind and r["error"] is not None]
+            errors = [
+                r["error"] for run in chosen for r in run["spans"] if r["what"] == kind and r["error"] is not None
+            ]
             if errors:
                 median = statistics.median(errors)
                 out[kind] = {"count": len(errors), "median_error": round(median, 3), "within_25%": abs(median) <= 0.25}
         return out
 
-    return {"runs": runs, "complete": all(r["complete"] for r in runs), "fitted_on": calibration.fitted_on,
-            "summary": summary([r for r in runs if not r["fitted"]]),
-            "fitted_summary": summary([r for r in runs if r["fitted"]])}
+    return {
+        "runs": runs,
+        "complete": all(r["complete"] for r in runs),
+        "fitted_on": calibration.fitted_on,
+        "summary": summary([r for r in runs if not r["fitted"]]),
+        "fitted_summary": summary([r for r in runs if r["fitted"]]),
+    }

@@ -33,8 +33,13 @@ from .launch import LocalLauncher
 from .rank import RankConfig
 
 _cmd_ids = itertools.count(1)
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
-                "UCX_LOG_LEVEL": "error", "OMP_NUM_THREADS": "1"}
+LOOPBACK_ENV = {
+    "GLOO_SOCKET_IFNAME": "lo",
+    "UCX_NET_DEVICES": "lo",
+    "NIXL_LOG_LEVEL": "WARN",
+    "UCX_LOG_LEVEL": "error",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 class RealFaultRefused(ScenarioError):
@@ -49,10 +54,13 @@ def check_real_faults(armed: list[fault_catalogue.Armed], device: str = "cpu") -
         if a.site not in REAL_SITES:
             raise RealFaultRefused(
                 f"fault {a.site} exists only in the fake NIXL; the real backend injects "
-                f"{', '.join(sorted(REAL_SITES))} (and the scenario's fail_rank events)")
+                f"{', '.join(sorted(REAL_SITES))} (and the scenario's fail_rank events)"
+            )
         if a.site == "device.stream_lag" and device != "cuda":
-            raise RealFaultRefused("fault device.stream_lag delays copies on a CUDA stream: use --device cuda "
-                                   "(host-memory copies run when issued)")
+            raise RealFaultRefused(
+                "fault device.stream_lag delays copies on a CUDA stream: use --device cuda "
+                "(host-memory copies run when issued)"
+            )
 
 
 def check_real_all2all(scenario, device: str) -> None:
@@ -60,8 +68,10 @@ def check_real_all2all(scenario, device: str) -> None:
     from .deep_ep_probe import unavailable
 
     if device != "cuda":
-        raise ScenarioError(f"all2all.backend {scenario.all2all.backend}: DeepEP's buffers live on GPUs; run it with "
-                            "--device cuda and a DeepEP build, simulate it, or set all2all.backend=none")
+        raise ScenarioError(
+            f"all2all.backend {scenario.all2all.backend}: DeepEP's buffers live on GPUs; run it with "
+            "--device cuda and a DeepEP build, simulate it, or set all2all.backend=none"
+        )
     why = unavailable()
     if why is not None:
         raise BackendUnavailable(f"all2all.backend {scenario.all2all.backend}: {why}")
@@ -100,8 +110,9 @@ class _Clock:
 class RankProcess:
     def __init__(self, cluster: "RealCluster", pid: int, cfg: RankConfig) -> None:
         self.cluster, self.pid = cluster, pid
-        self.load = LoadWindow(cluster.scenario.model.layers, cluster.scenario.model.experts,
-                               max(1, cluster.scenario.eplb.window))
+        self.load = LoadWindow(
+            cluster.scenario.model.layers, cluster.scenario.model.experts, max(1, cluster.scenario.eplb.window)
+        )
         self.alive = True
         self.killed = False  # by fail_rank
         self.pending: dict[int, Handle] = {}
@@ -160,8 +171,18 @@ class RankProcess:
 
 
 class RealCluster:
-    def __init__(self, scenario, *, seed: int, strategy: str, faults: Sequence[fault_catalogue.Armed] = (),
-                 device: str = "cpu", timeout_s: float = 120.0, on_progress=None, launcher=None) -> None:
+    def __init__(
+        self,
+        scenario,
+        *,
+        seed: int,
+        strategy: str,
+        faults: Sequence[fault_catalogue.Armed] = (),
+        device: str = "cpu",
+        timeout_s: float = 120.0,
+        on_progress=None,
+        launcher=None,
+    ) -> None:
         from sim.eplb.communicators import plugins
 
         check_real_faults(list(faults), device)
@@ -230,10 +251,17 @@ class RealCluster:
         return RealGroup(name, list(members))
 
     def spawn_worker(self, pid: int, group, rank: int, placement: Placement | None) -> RankProcess:
-        cfg = RankConfig(pid=pid, parent=os.getpid(), scenario=self.scenario.model_dump(mode="json"),
-                         strategy=self.strategy, device=self._device_of(pid),
-                         store=(self.launcher.store_host, self._store.port), group=group, placement=placement,
-                         timeout_s=self.timeout_s)
+        cfg = RankConfig(
+            pid=pid,
+            parent=os.getpid(),
+            scenario=self.scenario.model_dump(mode="json"),
+            strategy=self.strategy,
+            device=self._device_of(pid),
+            store=(self.launcher.store_host, self._store.port),
+            group=group,
+            placement=placement,
+            timeout_s=self.timeout_s,
+        )
         w = RankProcess(self, pid, cfg)
         self.timeline.workers[pid] = w
         # a torchrun slot's placement on this clock, as applied to its events (a local rank shares the clock)
@@ -355,17 +383,22 @@ class RealCluster:
         pass
 
     # -- faults decided by the parent ---------------------------------------------------------------------------
-    def choose_faults(self, w: RankProcess, kind: str,
-                      args: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    def choose_faults(
+        self, w: RankProcess, kind: str, args: dict[str, Any]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """The GC fault each communicator this command drops gets (what -> fault), and the worker faults of a
         PREPARE or a rearrange, taken from the plan here so that ``times`` counts across processes as in the
         simulation.  A PREPARE's are those of the step its window ends at (``build_step``), decided when the command
         is posted, as the simulation decides them (its PREPARE builds at that step; the real rank at once)."""
         a2a = self.scenario.all2all.backend != "none"
-        drops = {"commit": ["old communicator"] + ["old all2all buffer"] * a2a,
-                 "exit": ["prepared"] * w.has_prepared + ["aborted"] * w.has_aborted + ["communicator at exit"]
-                 + ["all2all buffer at exit"] * a2a,
-                 "prepare": ["aborted communicator"] * w.has_aborted}.get(kind, [])
+        drops = {
+            "commit": ["old communicator"] + ["old all2all buffer"] * a2a,
+            "exit": ["prepared"] * w.has_prepared
+            + ["aborted"] * w.has_aborted
+            + ["communicator at exit"]
+            + ["all2all buffer at exit"] * a2a,
+            "prepare": ["aborted communicator"] * w.has_aborted,
+        }.get(kind, [])
         gc_faults = {}
         for what in drops:
             fault = self.faults.take_gc(w.pid, what)
@@ -373,8 +406,9 @@ class RealCluster:
                 gc_faults[what] = {"site": fault.site, **fault.params}
         extra: dict[str, Any] = {}
         if kind == "rearrange":
-            lag = self.faults.take({"device.stream_lag": fault_catalogue.WORKER_SITES["device.stream_lag"]}, w.pid,
-                                   "expert copies")
+            lag = self.faults.take(
+                {"device.stream_lag": fault_catalogue.WORKER_SITES["device.stream_lag"]}, w.pid, "expert copies"
+            )
             if lag is not None:
                 extra["stream_lag_s"] = float(lag.params.get("delay_s", 0.01))
         if kind == "prepare":
@@ -389,11 +423,17 @@ class RealCluster:
         env = LOOPBACK_ENV if self.launcher.loopback else {"NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
         saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update({k: v for k, v in env.items() if k not in os.environ or k == "OMP_NUM_THREADS"})
-        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
-            else None
+        previous = (
+            signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+        )
         try:
-            self._store = TCPStore(self.launcher.store_host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = TCPStore(
+                self.launcher.store_host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
             self.launcher.open(self.scenario)
             self.timeline.engine()
         finally:

@@ -54,10 +54,12 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
             """Seconds from posting ``count`` READs of ``nbytes`` (consecutive slices) to the last one DONE."""
             made = []
             for i in range(count):
-                local = reader.prep_xfer_dlist("NIXL_INIT_AGENT", reader.get_xfer_descs(
-                    [(local_base + i * nbytes, nbytes, local_dev)], mem), mem)
-                remote = reader.prep_xfer_dlist(name, reader.get_xfer_descs(
-                    [(addr + i * nbytes, nbytes, dev_id)], mem), mem)
+                local = reader.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", reader.get_xfer_descs([(local_base + i * nbytes, nbytes, local_dev)], mem), mem
+                )
+                remote = reader.prep_xfer_dlist(
+                    name, reader.get_xfer_descs([(addr + i * nbytes, nbytes, dev_id)], mem), mem
+                )
                 made.append((reader.make_prepped_xfer("READ", local, [0], remote, [0]), local, remote))
             started = time.perf_counter()
             for xfer, _, _ in made:
@@ -84,9 +86,13 @@ def measure(device: str = "cpu", k: int = 4, sizes_mib=(1, 4, 16, 64), repeats: 
                 together.append(reads(k, nbytes))
                 big.append(reads(1, k * nbytes))
             o, t, b = (statistics.median(x) for x in (one, together, big))
-            out["sizes"][f"{mib:g}MiB"] = {"one_s": o, "together_s": t, "one_of_k_times_the_bytes_s": b,
-                                         "together_over_k_one": round(t / (k * o), 3),
-                                         "together_over_one_of_k_times_the_bytes": round(t / b, 3)}
+            out["sizes"][f"{mib:g}MiB"] = {
+                "one_s": o,
+                "together_s": t,
+                "one_of_k_times_the_bytes_s": b,
+                "together_over_k_one": round(t / (k * o), 3),
+                "together_over_one_of_k_times_the_bytes": round(t / b, 3),
+            }
         out["bytes_ok"] = bool(torch.equal(dst.cpu(), _pattern(total, "cpu")))
         reader.remove_remote_agent(name)
         reader.deregister_memory(reg)

@@ -32,8 +32,12 @@ def run_case(name: str, impl: str, module: str = DEFAULT_MODULE, timeout_s: floa
     return judge(name, observed)
 
 
-def run(impl: str, module: str = DEFAULT_MODULE, names: list[str] | None = None,
-        on_case: Callable[[dict], None] | None = None) -> dict[str, Any]:
+def run(
+    impl: str,
+    module: str = DEFAULT_MODULE,
+    names: list[str] | None = None,
+    on_case: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
     """Every case (or ``names``) on one side: a report in the shape ``epsim conform`` prints; ``on_case`` hears each
     judged case as it ends."""
     started = time.monotonic()
@@ -42,8 +46,13 @@ def run(impl: str, module: str = DEFAULT_MODULE, names: list[str] | None = None,
         cases.append(run_case(name, impl, module))
         if on_case is not None:
             on_case(cases[-1])
-    return {"library": "deep_ep", "backend": impl, "module": module if impl == "real" else "fakes.deep_ep",
-            "cases": cases, "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "library": "deep_ep",
+        "backend": impl,
+        "module": module if impl == "real" else "fakes.deep_ep",
+        "cases": cases,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def unavailable(module: str = DEFAULT_MODULE) -> str | None:
@@ -85,8 +94,18 @@ def _run_fake(name: str) -> list:
     kernel = ranks.kernel
 
     def on_rank(group: Any) -> Any:
-        return c.fn(Ctx(deep_ep.Buffer, group, group.rank(), c.ranks, "cpu", lambda s: kernel.sleep(s, "a late rank"),
-                        kernel.now, _python_stdout))
+        return c.fn(
+            Ctx(
+                deep_ep.Buffer,
+                group,
+                group.rank(),
+                c.ranks,
+                "cpu",
+                lambda s: kernel.sleep(s, "a late rank"),
+                kernel.now,
+                _python_stdout,
+            )
+        )
 
     with deep_ep.installed():
         observed = ranks.run(on_rank)

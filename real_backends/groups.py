@@ -38,8 +38,7 @@ class RealGroup:
 def connect_store(host: str, port: int, timeout_s: float):
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def open_group(store, spec: GroupSpec, timeout_s: float):

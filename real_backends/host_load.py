@@ -234,8 +234,9 @@ def measure(n: int, plan: dict[str, Any], timeout_s: float = 300.0) -> dict[str,
 
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout_s))
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     ctx = mp.get_context("spawn")
     inbox: queue.Queue = queue.Queue()
     members, drains = [], [threading.Thread(target=_handle_events, args=(inbox, n), daemon=True)]
@@ -278,8 +279,18 @@ def measure(n: int, plan: dict[str, Any], timeout_s: float = 300.0) -> dict[str,
             if proc.is_alive():
                 proc.kill()
     combined: dict[str, Any] = {"ranks": n}
-    for key in ("first_agent_s", "agent_s", "register_s", "gather_s", "first_remote_setup_s", "remote_setup_s",
-                "connect_s", "collective_s", "collect_s", "group_s"):
+    for key in (
+        "first_agent_s",
+        "agent_s",
+        "register_s",
+        "gather_s",
+        "first_remote_setup_s",
+        "remote_setup_s",
+        "connect_s",
+        "collective_s",
+        "collect_s",
+        "group_s",
+    ):
         values = [r[key] for r in results if r[key] is not None]
         combined[key] = statistics.median(values) if values else None
     combined["barrier_s"] = _last_arrival_to_result([r["barriers"] for r in results])

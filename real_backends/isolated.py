@@ -69,8 +69,11 @@ class ChildPlayer:
         self._stop()
         if played.died is None:
             code = self._proc.exitcode
-            played.died = (signal.Signals(-code).name if code is not None and code < 0 and -code in
-                           signal.valid_signals() else f"exit {code}")
+            played.died = (
+                signal.Signals(-code).name
+                if code is not None and code < 0 and -code in signal.valid_signals()
+                else f"exit {code}"
+            )
         return played
 
     def _stop(self) -> None:

@@ -18,19 +18,40 @@ from sim.records import fabric_record
 from sim.oracles import Oracles, Problem
 from sim.trace import History
 
-LEDGER = frozenset({"agent.create", "agent.destroy", "register", "deregister", "deregister.refused", "peer.load",
-                    "peer.remove", "xfer.post", "xfer.done", "agent.threads"})
+LEDGER = frozenset(
+    {
+        "agent.create",
+        "agent.destroy",
+        "register",
+        "deregister",
+        "deregister.refused",
+        "peer.load",
+        "peer.remove",
+        "xfer.post",
+        "xfer.done",
+        "agent.threads",
+    }
+)
 # A collective that fails because a member died is what the simulation calls a collective timeout: gloo notices
 # the closed connection at once instead of waiting out the timeout.  So is a Work.wait(timeout) that ran out
 # ("Operation timed out!", a RuntimeError, as the fake raises a CollectiveTimeout).
-COLLECTIVE_ERROR_TYPES = frozenset({"RuntimeError", "DistError", "DistBackendError", "DistNetworkError",
-                                    "DistStoreError", "TimeoutError"})
-COLLECTIVE_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Gloo",
-                      "gloo", "Socket Timeout", "Operation timed out!")
+COLLECTIVE_ERROR_TYPES = frozenset(
+    {"RuntimeError", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "TimeoutError"}
+)
+COLLECTIVE_FAILURE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "Gloo",
+    "gloo",
+    "Socket Timeout",
+    "Operation timed out!",
+)
 
 
-def judge(events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, *, completed: bool,
-          stuck: list[str]) -> tuple[History, Oracles]:
+def judge(
+    events: list[tuple[float, int, int, str, dict[str, Any]]], t0: float, *, completed: bool, stuck: list[str]
+) -> tuple[History, Oracles]:
     clock = [0.0]
     history = History(lambda: clock[0])
     oracles = Oracles(history)

@@ -64,8 +64,9 @@ def clock_domain() -> str | None:
     return f"{boot}/{namespace}"
 
 
-def measure_clock_offset(conn: Connection, rounds: int = CLOCK_ROUNDS,
-                         timeout_s: float = HELLO_TIMEOUT_S) -> tuple[float, float]:
+def measure_clock_offset(
+    conn: Connection, rounds: int = CLOCK_ROUNDS, timeout_s: float = HELLO_TIMEOUT_S
+) -> tuple[float, float]:
     """(offset, bound) of the slot on ``conn``: its monotonic clock plus offset is this process's, within bound.
 
     Each round asks for the slot's clock and times the round trip; the reading was taken somewhere inside it, so the
@@ -118,8 +119,10 @@ def receive_hello(conn: Connection, timeout_s: float = HELLO_TIMEOUT_S) -> dict[
             raise TimeoutError("no hello")
         info = conn.recv()
         if "clock_domain" not in info:
-            raise ScenarioError(f"torchrun slot {info.get('rank')} runs another version of epsim (its hello has no "
-                                "clock domain); start every slot from the same epsim")
+            raise ScenarioError(
+                f"torchrun slot {info.get('rank')} runs another version of epsim (its hello has no "
+                "clock domain); start every slot from the same epsim"
+            )
         place_clock(conn, info, timeout_s)
     except (EOFError, OSError, TimeoutError):
         return None
@@ -133,8 +136,11 @@ def share_clocks(infos: list[dict[str, Any]]) -> None:
     best: dict[Any, dict[str, Any]] = {}  # clock domain -> the slot measured most tightly in it
     for info in infos:
         domain = info.get("clock_domain")
-        if domain is not None and info["clock_bound"] > 0 and (
-                domain not in best or info["clock_bound"] < best[domain]["clock_bound"]):
+        if (
+            domain is not None
+            and info["clock_bound"] > 0
+            and (domain not in best or info["clock_bound"] < best[domain]["clock_bound"])
+        ):
             best[domain] = info
     for info in infos:
         chosen = best.get(info.get("clock_domain"))
@@ -199,7 +205,10 @@ class _Zygote:
         try:
             self.popen: subprocess.Popen | None = subprocess.Popen(
                 [sys.executable, "-m", "real_backends.zygote", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=env)
+                pass_fds=[theirs.fileno()],
+                cwd=os.getcwd(),
+                env=env,
+            )
         except OSError as exc:  # the ranks' own start will meet the same error and say so
             self.popen, self.usable, self.why = None, False, f"cannot start the zygote: {exc}"
         finally:
@@ -321,8 +330,10 @@ class LocalLauncher:
     def open(self, scenario) -> None:
         peak = scenario.peak_ranks()
         if self.ranks_per_host is not None and peak > self.ranks_per_host:
-            raise ScenarioError(f"the scenario runs up to {peak} ranks at once and --ranks-per-host is "
-                                f"{self.ranks_per_host}: run it under torchrun across hosts (docs/real-backend.md)")
+            raise ScenarioError(
+                f"the scenario runs up to {peak} ranks at once and --ranks-per-host is "
+                f"{self.ranks_per_host}: run it under torchrun across hosts (docs/real-backend.md)"
+            )
         from .zygote import wanted
 
         if wanted():  # started now, so that its imports overlap the run's own set-up
@@ -359,8 +370,14 @@ class LocalLauncher:
                 proc: Any = _Forked(zygote, pid)
                 cfg = dataclasses.replace(cfg, parent=zygote.popen.pid)  # the rank dies with the zygote
             else:
-                proc = _Child(subprocess.Popen([sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
-                                               pass_fds=[theirs.fileno()], cwd=os.getcwd(), env=child_env()))
+                proc = _Child(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "real_backends.rank", str(theirs.fileno())],
+                        pass_fds=[theirs.fileno()],
+                        cwd=os.getcwd(),
+                        env=child_env(),
+                    )
+                )
         finally:
             theirs.close()
         conn = Connection(mine.detach())
@@ -410,8 +427,13 @@ def _job_store():
 
     from torch.distributed import TCPStore
 
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    wait_for_workers=False, timeout=datetime.timedelta(seconds=ACCEPT_TIMEOUT_S))
+    return TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=ACCEPT_TIMEOUT_S),
+    )
 
 
 def _authkey(create: bool = False) -> bytes:
@@ -474,8 +496,10 @@ class TorchrunLauncher:
     def open(self, scenario) -> None:
         processes = processes_needed(scenario)
         if processes > self.world:
-            raise ScenarioError(f"the scenario starts {processes} rank processes in all; torchrun started "
-                                f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank")
+            raise ScenarioError(
+                f"the scenario starts {processes} rank processes in all; torchrun started "
+                f"{self.world} slots (--nproc-per-node x nodes); each slot serves one rank"
+            )
         key = _authkey(create=True)
         try:
             self._listener = socket.create_server(_listen_address())
@@ -483,13 +507,15 @@ class TorchrunLauncher:
             host, port = _listen_address()
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             fix = "pick a free port or unset EPSIM_PORT" if port else "check MASTER_ADDR"
-            raise ScenarioError(f"cannot listen for the torchrun slots on {host}:{port or 'a free port'} ({why}); "
-                                f"{fix}") from None
+            raise ScenarioError(
+                f"cannot listen for the torchrun slots on {host}:{port or 'a free port'} ({why}); {fix}"
+            ) from None
         address = self._listener.getsockname()[:2]
         _publish_port(address[1])
         # Slot 0 is this process's job too: a child connects like every other slot.
-        self._own = subprocess.Popen([sys.executable, "-m", "real_backends.launch"],
-                                     env=dict(child_env(), EPSIM_SLOT_OF="0"))
+        self._own = subprocess.Popen(
+            [sys.executable, "-m", "real_backends.launch"], env=dict(child_env(), EPSIM_SLOT_OF="0")
+        )
         # Each accepted slot goes into _free at once, so that close() tells it to end whatever happens next.
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
         while len(self._free) < self.world:
@@ -497,8 +523,10 @@ class TorchrunLauncher:
             try:
                 sock, _ = self._listener.accept()
             except (socket.timeout, OSError):
-                raise ScenarioError(f"only {len(self._free)} of {self.world} torchrun slots connected to "
-                                    f"{address[0]}:{address[1]} within {ACCEPT_TIMEOUT_S:g} s") from None
+                raise ScenarioError(
+                    f"only {len(self._free)} of {self.world} torchrun slots connected to "
+                    f"{address[0]}:{address[1]} within {ACCEPT_TIMEOUT_S:g} s"
+                ) from None
             sock.settimeout(None)
             wait_s = min(HELLO_TIMEOUT_S, max(0.1, deadline - time.monotonic()))
             _recv_timeout(sock, wait_s)  # a connection that never answers the challenge cannot hold the wait
@@ -516,17 +544,21 @@ class TorchrunLauncher:
                 raise
             if info is None:  # one of ours (it had the key), so the job cannot have all its slots
                 conn.close()
-                raise ScenarioError(f"a torchrun slot connected and then died or did not place its clock within "
-                                    f"{wait_s:g} s ({len(self._free)} of {self.world} placed); see its output")
+                raise ScenarioError(
+                    f"a torchrun slot connected and then died or did not place its clock within "
+                    f"{wait_s:g} s ({len(self._free)} of {self.world} placed); see its output"
+                )
             _recv_timeout(conn, None)
             self._free.append((conn, info))
         slots = self._free = sorted(self._free, key=lambda s: s[1]["rank"])
         share_clocks([info for _, info in slots])
         hosts = {info["host"] for _, info in slots}
         if self.ranks_per_host is not None and scenario.peak_ranks() > self.ranks_per_host * len(hosts):
-            raise ScenarioError(f"the scenario runs up to {scenario.peak_ranks()} ranks at once; {len(hosts)} "
-                                f"host(s) at --ranks-per-host {self.ranks_per_host} take "
-                                f"{self.ranks_per_host * len(hosts)}")
+            raise ScenarioError(
+                f"the scenario runs up to {scenario.peak_ranks()} ranks at once; {len(hosts)} "
+                f"host(s) at --ranks-per-host {self.ranks_per_host} take "
+                f"{self.ranks_per_host * len(hosts)}"
+            )
 
     def start(self, cfg) -> tuple[Connection, Any]:
         conn, info = self._free.pop(self._next_slot())
@@ -549,8 +581,9 @@ class TorchrunLauncher:
         for i, (_, info) in enumerate(self._free):
             if live.get(info["host"], 0) < self.ranks_per_host:
                 return i
-        raise ScenarioError(f"every host already runs {self.ranks_per_host} ranks (--ranks-per-host); start "
-                            "torchrun on more hosts")
+        raise ScenarioError(
+            f"every host already runs {self.ranks_per_host} ranks (--ranks-per-host); start torchrun on more hosts"
+        )
 
     def close(self) -> None:
         placed = {info["os_pid"] for _, info in self._free} | {slot.pid for slot in self._started}
@@ -594,8 +627,15 @@ def serve_slot() -> int:
     key = _authkey()
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
-    conn.send({"rank": rank, "local_rank": local, "host": socket.gethostname(), "os_pid": os.getpid(),
-               "clock_domain": clock_domain()})
+    conn.send(
+        {
+            "rank": rank,
+            "local_rank": local,
+            "host": socket.gethostname(),
+            "os_pid": os.getpid(),
+            "clock_domain": clock_domain(),
+        }
+    )
     msg = answer_clock(conn)
     if msg is None or msg[0] != "config":
         return 0

@@ -101,6 +101,7 @@ class LedgerAgent:
         def call(*args: Any, **kw: Any) -> Any:  # an agent call like any other (get_agent_metadata, ...)
             self._note_thread()
             return value(*args, **kw)
+
         return call
 
     # -- memory -------------------------------------------------------------------------------------------------
@@ -110,8 +111,11 @@ class LedgerAgent:
     def register_memory(self, reg_list: Any, mem_type: Any = None, backends: Any = ()) -> Any:
         self._note_thread()
         descs = self._as_reg(reg_list, mem_type)
-        out = self._inner.register_memory(descs, mem_type, list(backends)) if backends else \
-            self._inner.register_memory(descs, mem_type)
+        out = (
+            self._inner.register_memory(descs, mem_type, list(backends))
+            if backends
+            else self._inner.register_memory(descs, mem_type)
+        )
         self._registered.append((descs, mem_type))
         self._emit("register", conn=self.conn, agent=self._name, pid=self._pid, ranges=_spans(descs))
         return out
@@ -161,19 +165,33 @@ class LedgerAgent:
         self._dlists.pop(id(handle), None)
         self._inner.release_dlist_handle(handle)
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: Any, local_indices: Any, remote_xfer_side: Any,
-                          remote_indices: Any, *args: Any, **kw: Any) -> Any:
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: Any,
+        local_indices: Any,
+        remote_xfer_side: Any,
+        remote_indices: Any,
+        *args: Any,
+        **kw: Any,
+    ) -> Any:
         self._note_thread()
-        handle = self._inner.make_prepped_xfer(operation, local_xfer_side, local_indices, remote_xfer_side,
-                                               remote_indices, *args, **kw)
+        handle = self._inner.make_prepped_xfer(
+            operation, local_xfer_side, local_indices, remote_xfer_side, remote_indices, *args, **kw
+        )
         _, local = self._dlists.get(id(local_xfer_side), ("", []))
         target, remote = self._dlists.get(id(remote_xfer_side), ("", []))
-        self._xfers[id(handle)] = (str(operation), target, [local[int(i)] for i in local_indices],
-                                   [remote[int(i)] for i in remote_indices])
+        self._xfers[id(handle)] = (
+            str(operation),
+            target,
+            [local[int(i)] for i in local_indices],
+            [remote[int(i)] for i in remote_indices],
+        )
         return handle
 
-    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,
-                        *args: Any, **kw: Any) -> Any:
+    def initialize_xfer(
+        self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str, *args: Any, **kw: Any
+    ) -> Any:
         self._note_thread()
         handle = self._inner.initialize_xfer(operation, local_descs, remote_descs, remote_agent, *args, **kw)
         self._xfers[id(handle)] = (str(operation), _name(remote_agent), _spans(local_descs), _spans(remote_descs))
@@ -185,8 +203,15 @@ class LedgerAgent:
         xfer = self._xfers.get(id(handle))
         if xfer is not None:
             op, target, _, remote = xfer
-            self._emit("xfer.post", conn=self.conn, agent=self._name, pid=self._pid, peer=target, op=op,
-                       nbytes=sum(n for _, n in remote))
+            self._emit(
+                "xfer.post",
+                conn=self.conn,
+                agent=self._name,
+                pid=self._pid,
+                peer=target,
+                op=op,
+                nbytes=sum(n for _, n in remote),
+            )
             self._open[id(handle)] = threading.current_thread().name
         if state == "DONE":
             self._done(handle)
@@ -211,8 +236,17 @@ class LedgerAgent:
         if xfer is None:
             return
         op, target, local, remote = xfer
-        self._emit("xfer.done", conn=self.conn, agent=self._name, pid=self._pid, peer=target, op=op,
-                   local=local, remote=remote, nbytes=sum(n for _, n in remote))
+        self._emit(
+            "xfer.done",
+            conn=self.conn,
+            agent=self._name,
+            pid=self._pid,
+            peer=target,
+            op=op,
+            local=local,
+            remote=remote,
+            nbytes=sum(n for _, n in remote),
+        )
 
     def _note_thread(self) -> None:
         """NIXL 1.5.1 agents run without thread safety: another thread's call while requests are open races.  Every
@@ -225,8 +259,15 @@ class LedgerAgent:
         others = sorted({t for t in holders if t != me})
         if others:
             self._raced = True
-            self._emit("agent.threads", conn=self.conn, agent=self._name, pid=self._pid, thread=me, others=others,
-                       open=sum(1 for t in holders if t != me))
+            self._emit(
+                "agent.threads",
+                conn=self.conn,
+                agent=self._name,
+                pid=self._pid,
+                thread=me,
+                others=others,
+                open=sum(1 for t in holders if t != me),
+            )
 
 
 # Helpers that build descriptor lists in Python and make no call into the agent (the fake's bindings see none).
@@ -257,12 +298,22 @@ def agents_held_only_by(roots: list[Any]) -> set[int]:
             continue
         todo.extend(gc.get_referents(obj))
     mine = {id(todo), id(found), id(agents)}  # this function's own lists refer to the agents too
-    return {id(a) for a in found
-            if all(id(r) in seen or id(r) in mine or isinstance(r, types.FrameType) for r in gc.get_referrers(a))}
+    return {
+        id(a)
+        for a in found
+        if all(id(r) in seen or id(r) in mine or isinstance(r, types.FrameType) for r in gc.get_referrers(a))
+    }
 
 
-_NOT_FOLLOWED = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                 types.FrameType, types.CodeType)
+_NOT_FOLLOWED = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.FrameType,
+    types.CodeType,
+)
 
 
 def install(emit: Emit, pid: int) -> None:

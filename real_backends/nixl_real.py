@@ -43,8 +43,9 @@ def progress_delay_us() -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= 1_000_000:
-        raise ScenarioError(f"{PROGRESS_DELAY_ENV}={raw!r}: give whole microseconds from 0 (nixl._api's own busy "
-                            f"loop) to 1000000")
+        raise ScenarioError(
+            f"{PROGRESS_DELAY_ENV}={raw!r}: give whole microseconds from 0 (nixl._api's own busy loop) to 1000000"
+        )
     return value
 
 

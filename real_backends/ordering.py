@@ -31,8 +31,15 @@ from .judge import LEDGER, judge
 Event = tuple[float, int, int, str, dict[str, Any]]
 
 # What the judge's checks see, and so what a swap can matter to (everything else only goes into the history).
-CHECKED = (LEDGER - {"xfer.post"}) | {"thread.crash", "process.exit", "process.kill", "engine.stuck", "worker.exit",
-                                      "engine.reconfigured", "eplb.checked"}
+CHECKED = (LEDGER - {"xfer.post"}) | {
+    "thread.crash",
+    "process.exit",
+    "process.kill",
+    "engine.stuck",
+    "worker.exit",
+    "engine.reconfigured",
+    "eplb.checked",
+}
 MAX_JUDGINGS = 400  # placements judged at most per run (each replays the whole history); the rest are counted
 PAST_S = 1e-9  # how far past a swap point a placement goes (event times are seconds of a monotonic clock)
 
@@ -46,8 +53,9 @@ class Sensitivity:
     placements: int = 0
 
 
-def clock_sensitivity(events: list[Event], t0: float, *, completed: bool, stuck: list[str],
-                      clocks: dict[int, tuple[str, float]]) -> Sensitivity:
+def clock_sensitivity(
+    events: list[Event], t0: float, *, completed: bool, stuck: list[str], clocks: dict[int, tuple[str, float]]
+) -> Sensitivity:
     """Judge ``events`` again under placements within ``clocks`` (event source -> (clock, bound in s): sources
     of one clock shift together; a source not in it reads slot 0's clock)."""
     bounds: dict[str, float] = {}
@@ -78,8 +86,10 @@ def clock_sensitivity(events: list[Event], t0: float, *, completed: bool, stuck:
         found.tried += 1
         verdict, invariant = outcome(shift)
         if (verdict, invariant) != stamped:
-            where = ", ".join(f"pid{'s' if len(members[c]) > 1 else ''} {','.join(map(str, members[c]))} "
-                              f"{s * 1e3:+.3f} ms" for c, s in sorted(shift.items()))
+            where = ", ".join(
+                f"pid{'s' if len(members[c]) > 1 else ''} {','.join(map(str, members[c]))} {s * 1e3:+.3f} ms"
+                for c, s in sorted(shift.items())
+            )
             found.changed.append(f"{where}: {verdict}" + (f" ({invariant})" if invariant else ""))
     return found
 

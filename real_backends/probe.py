@@ -58,11 +58,24 @@ def _observe_isolated(name: str, backend: str, profile: str, memory: str) -> Any
     env = dict(os.environ)
     if case.transport == "tcp":
         env["UCX_TLS"] = TCP_TLS
-    cmd = [sys.executable, "-m", "real_backends.probe", "--case", name, "--backend", backend, "--profile", profile,
-           "--memory", memory.lower(), "--raw"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_backends.probe",
+        "--case",
+        name,
+        "--backend",
+        backend,
+        "--profile",
+        profile,
+        "--memory",
+        memory.lower(),
+        "--raw",
+    ]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S,
-                              preexec_fn=die_with_parent)
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=CASE_TIMEOUT_S, preexec_fn=die_with_parent
+        )
     except subprocess.TimeoutExpired:
         return f"timeout after {CASE_TIMEOUT_S} s"
     if done.returncode < 0:
@@ -79,8 +92,13 @@ def run_case(name: str, backend: str = "fake", profile: str = "dram", memory: st
     case = CASES[name]
     reason = skip_reason(case, backend, memory)
     if reason:
-        return {"name": name, "outcome": "skip", "observed": None, "expected": case.on_hardware(profile),
-                "reason": reason}
+        return {
+            "name": name,
+            "outcome": "skip",
+            "observed": None,
+            "expected": case.on_hardware(profile),
+            "reason": reason,
+        }
     try:
         if backend == "real" and case.isolate:
             observed = _observe_isolated(name, backend, profile, memory)
@@ -97,8 +115,10 @@ def skip_reason(case, backend: str, memory: str) -> str | None:
     if backend == "real" and "no-cuda-context" in case.needs:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            return ("a CUDA context is live in this process: UCX classifies memory through CUDA and refuses "
-                    "degenerate ranges (seen on H200); run it through `epsim conform`, which starts fresh")
+            return (
+                "a CUDA context is live in this process: UCX classifies memory through CUDA and refuses "
+                "degenerate ranges (seen on H200); run it through `epsim conform`, which starts fresh"
+            )
     return None
 
 
@@ -111,8 +131,13 @@ def judge(result: dict[str, Any], profile: str, hardware: bool) -> dict[str, Any
     return {**result, "expected": expected, "outcome": "pass" if result["observed"] == expected else "fail"}
 
 
-def run_catalogue(backend: str = "fake", profile: str | None = None, memory: str = "DRAM",
-                  names: list[str] | None = None, progress=None) -> dict[str, Any]:
+def run_catalogue(
+    backend: str = "fake",
+    profile: str | None = None,
+    memory: str = "DRAM",
+    names: list[str] | None = None,
+    progress=None,
+) -> dict[str, Any]:
     """Every case (or ``names``).  Without ``profile``, cases are judged against the profile they match (or, if
     none matches, the default for the memory kind: dram for host memory, cuda for VRAM)."""
     chosen = default_profile(profile, memory)
@@ -149,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--raw", action="store_true", help="one case, its observation only (internal)")
-    parser.add_argument("--stream", action="store_true",
-                        help="a JSON line as each case starts and ends, no report (internal: epsim conform)")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="a JSON line as each case starts and ends, no report (internal: epsim conform)",
+    )
     args = parser.parse_args(argv)
     memory = args.memory.upper()
     if args.raw:
@@ -167,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream:
         return _stream(args.backend, args.profile, memory, args.case)
     try:
-        report = run_catalogue(args.backend, args.profile, memory, args.case,
-                               progress=None if args.json else _print_line)
+        report = run_catalogue(
+            args.backend, args.profile, memory, args.case, progress=None if args.json else _print_line
+        )
     except NixlUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return UNAVAILABLE
@@ -210,9 +239,11 @@ def _stream(backend: str, profile: str | None, memory: str, names: list[str] | N
 
 
 def _print_line(r: dict[str, Any]) -> None:
-    print(f"{r['outcome']:4}  {r['name']}" + ("" if r["outcome"] == "pass" else f"  observed={r.get('observed')!r} "
-                                                                              f"expected={r['expected']!r}"),
-          flush=True)
+    print(
+        f"{r['outcome']:4}  {r['name']}"
+        + ("" if r["outcome"] == "pass" else f"  observed={r.get('observed')!r} expected={r['expected']!r}"),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -155,10 +155,13 @@ class RealWorker:
         m = self.sc.model
         self.factory = plugins.load(cfg.strategy, fresh=False)
         device = torch.device(cfg.device)
-        self.weights = [[torch.full((m.local_experts, m.hidden), float("nan"), device=device)
-                         for _ in range(m.tensors_per_layer)] for _ in range(m.layers)]
-        self.buffer = [torch.full((m.local_experts, m.hidden), float("nan"), device=device)
-                       for _ in range(m.tensors_per_layer)]
+        self.weights = [
+            [torch.full((m.local_experts, m.hidden), float("nan"), device=device) for _ in range(m.tensors_per_layer)]
+            for _ in range(m.layers)
+        ]
+        self.buffer = [
+            torch.full((m.local_experts, m.hidden), float("nan"), device=device) for _ in range(m.tensors_per_layer)
+        ]
         self.retired_buffers: list[Any] = []
         if cfg.placement is not None:
             fill_weights(self.weights, cfg.placement, cfg.group.rank)
@@ -212,11 +215,13 @@ class RealWorker:
 
     def run_thread(self, name: str, fn, *args: Any) -> threading.Thread:
         """A thread whose escaping exception is a crash, reported at once (as the simulation's kernel does)."""
+
         def body() -> None:
             try:
                 fn(*args)
             except BaseException as exc:  # noqa: BLE001 - reported to the parent, which judges it
                 report_crash(self.link, self.pid, name, exc)
+
         th = threading.Thread(target=body, name=name, daemon=True)
         th.start()
         return th
@@ -284,8 +289,9 @@ class RealWorker:
         is destroyed on a background thread while the new group serves (vLLM's _start_group_cleanup)."""
         from sim.all2all import switch
 
-        self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all,
-                                              switch(self, self.drop))
+        self.cleanup_thread = self.run_thread(
+            f"elastic-cleanup@{self.pid}", self._cleanup_all2all, switch(self, self.drop)
+        )
 
     def _cleanup_all2all(self, manager) -> None:
         self.history("all2all.cleanup", destroyed=manager.destroy())
@@ -354,8 +360,7 @@ class RealWorker:
         stream = _LaggingStream(stream_lag_s, self.weights[0][0].device) if stream_lag_s > 0 else None
         if use_async:
             self.rebalanced = True
-            self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True,
-                                                stream)
+            self.async_thread = self.run_thread(f"eplb-async@{self.pid}", self._move, old, new, mapping, True, stream)
         else:
             self._move(old, new, mapping, False, stream)
 
@@ -394,8 +399,9 @@ class RealWorker:
             return
         while True:
             with self.eplb_state:
-                self.eplb_state.wait_for(lambda: self.pending is not None or not self.rebalanced or not th.is_alive(),
-                                         timeout=0.1)  # a thread that crashed publishes nothing more
+                self.eplb_state.wait_for(
+                    lambda: self.pending is not None or not self.rebalanced or not th.is_alive(), timeout=0.1
+                )  # a thread that crashed publishes nothing more
                 if not self.rebalanced or not th.is_alive():
                     break
                 staged = self.pending is not None
@@ -421,14 +427,21 @@ class RealWorker:
             self.history("eplb.move_loop", loop="vllm")  # a metric (real_backends/judge.py), as in the simulation
         at_once = loop is not None and not paced  # vLLM's rearrange_expert_weights_inplace moves every layer itself
         if loop is not None and at_once:
-            loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
-                           comm, mapping, stream)
+            loop.rearrange(
+                old.physical_to_logical,
+                new.physical_to_logical,
+                self.weights,
+                self.buffer,
+                self.group,
+                comm,
+                mapping,
+                stream,
+            )
         for layer in range(0 if at_once else old.num_layers):
             old_idx, _ = move.layer_indices(old, new, layer, mapping)
             plan = move.plan_all(old, new, layer, mapping)[rank]
             if not paced:
-                move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                stream)
+                move.move_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, stream)
                 continue
             # As the simulation's worker: the coordinated stop (an all_reduce on the EPLB group), the transfer
             # (local copies on the stream, after the layer before's move_from_buffer; then a synchronize), then
@@ -443,15 +456,32 @@ class RealWorker:
                 self.history("eplb.stopped", layer=layer)
                 break
             if loop is None:
-                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                    stream)
-                take = functools.partial(move.issue_move_from_buffer, self.weights[layer], self.buffer, plan,
-                                         self._rows, stream, layer)
+                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, stream)
+                take = functools.partial(
+                    move.issue_move_from_buffer, self.weights[layer], self.buffer, plan, self._rows, stream, layer
+                )
             else:
-                meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
-                                           self.weights[layer], self.buffer, self.group, comm, mapping, stream)
-                take = functools.partial(loop.move_from_buffer, layer, new.physical_to_logical, meta,
-                                         self.weights[layer], self.buffer, rank, stream)
+                meta = loop.transfer_layer(
+                    layer,
+                    old.physical_to_logical,
+                    new.physical_to_logical,
+                    self.weights[layer],
+                    self.buffer,
+                    self.group,
+                    comm,
+                    mapping,
+                    stream,
+                )
+                take = functools.partial(
+                    loop.move_from_buffer,
+                    layer,
+                    new.physical_to_logical,
+                    meta,
+                    self.weights[layer],
+                    self.buffer,
+                    rank,
+                    stream,
+                )
             if stream is not None:
                 stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             consumed = threading.Event()
@@ -467,8 +497,14 @@ class RealWorker:
             self.history("eplb.checked", problems=problems[:1], count=len(problems))
         self.history("eplb.rearranged", moved_layers=old.num_layers)
 
-    def do_prepare(self, group, prepare_s: float, build_step: int | None = None, storage_move: bool = False,
-                   peer_restart: bool = False) -> str:
+    def do_prepare(
+        self,
+        group,
+        prepare_s: float,
+        build_step: int | None = None,
+        storage_move: bool = False,
+        peer_restart: bool = False,
+    ) -> str:
         # (prepare_s and build_step: the parent serves the window and decided the faults for its end)
         if self.aborted is not None:
             aborted, self.aborted = self.aborted, None
@@ -635,8 +671,15 @@ def report_crash(link: Link, pid: int, thread: str, exc: BaseException) -> None:
         crash = describe(exc, thread, pid)
     except Exception:  # noqa: BLE001 - the crash is reported all the same, with its traceback's text
         crash = None
-    link.emit("thread.crash", pid=pid, thread=thread, type=type(exc).__name__, error=str(exc).splitlines()[0]
-              if str(exc) else "", traceback="".join(traceback.format_exception(exc))[-4000:], crash=crash)
+    link.emit(
+        "thread.crash",
+        pid=pid,
+        thread=thread,
+        type=type(exc).__name__,
+        error=str(exc).splitlines()[0] if str(exc) else "",
+        traceback="".join(traceback.format_exception(exc))[-4000:],
+        crash=crash,
+    )
     link.send("crash", pid)
 
 

@@ -19,10 +19,19 @@ from .judge import judge
 from .ordering import clock_sensitivity
 
 
-def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
-             faults: Sequence[str | fault_catalogue.Armed] = (), device: str = "cpu", timeout_s: float = 120.0,
-             out: str | Path | None = None, on_progress=None, launcher=None,
-             ranks_per_host: int | None = None) -> Result:
+def run_real(
+    scenario,
+    *,
+    seed: int | None = None,
+    strategy: str | None = None,
+    faults: Sequence[str | fault_catalogue.Armed] = (),
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    out: str | Path | None = None,
+    on_progress=None,
+    launcher=None,
+    ranks_per_host: int | None = None,
+) -> Result:
     seed = scenario.seed if seed is None else seed
     strategy = strategy or scenario.strategy
     armed = fault_catalogue.arm(scenario.faults, faults)
@@ -30,39 +39,71 @@ def run_real(scenario, *, seed: int | None = None, strategy: str | None = None,
         launcher = LocalLauncher(ranks_per_host)
     require_real(device)
     started = time.perf_counter()
-    cluster = RealCluster(scenario, seed=seed, strategy=strategy, faults=armed, device=device,
-                          timeout_s=timeout_s, on_progress=on_progress, launcher=launcher)
+    cluster = RealCluster(
+        scenario,
+        seed=seed,
+        strategy=strategy,
+        faults=armed,
+        device=device,
+        timeout_s=timeout_s,
+        on_progress=on_progress,
+        launcher=launcher,
+    )
     cluster.run()
     wall = time.perf_counter() - started
     history, oracles = judge(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck)
     verdict, invariant, detail = oracles.verdict()
     first = oracles.first_problem()
-    implicated = [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired()
-                                           if t - cluster.t0 <= first.t]
+    implicated = (
+        [] if first is None else [str(a) for t, _, a in cluster.faults.first_fired() if t - cluster.t0 <= first.t]
+    )
     profile = f"real-{device}"
     crash = first.crash if first is not None else None
-    result = Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
-                    len(history), history.now(), round(wall, 3), [str(a) for a in armed], cluster.faults.fired(),
-                    dict(oracles.metrics), implicated, signature(verdict, invariant, detail, strategy, implicated,
-                                                                 crash), crash=crash)
+    result = Result(
+        verdict,
+        invariant,
+        detail,
+        seed,
+        scenario.name,
+        strategy,
+        profile,
+        history.trace_hash(),
+        len(history),
+        history.now(),
+        round(wall, 3),
+        [str(a) for a in armed],
+        cluster.faults.fired(),
+        dict(oracles.metrics),
+        implicated,
+        signature(verdict, invariant, detail, strategy, implicated, crash),
+        crash=crash,
+    )
     result.spans = _spans(cluster.timeline.spans, history)
     # Each rank's NIXL progress-thread poll timeout (EPSIM_NIXL_PROGRESS_DELAY_US, read by each rank from its own
     # environment): [0] is vLLM's busy loop; more than one value only when torchrun slots on other hosts differ.
-    result.metrics["nixl_progress_delay_us"] = sorted({f["progress_delay_us"] for _, _, _, kind, f in cluster.events
-                                                      if kind == "nixl.config"})
+    result.metrics["nixl_progress_delay_us"] = sorted(
+        {f["progress_delay_us"] for _, _, _, kind, f in cluster.events if kind == "nixl.config"}
+    )
     # Slots on other hosts are on slot 0's clock only to within a bound: say how far, and whether the verdict
     # would change under another placement within it (none of these keys when every process read slot 0's clock).
     clocks = {pid: (w.clock, w.clock_bound) for pid, w in cluster.timeline.workers.items() if w.clock_bound > 0}
     if clocks:
-        found = clock_sensitivity(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck,
-                                  clocks=clocks)
+        found = clock_sensitivity(
+            cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck, clocks=clocks
+        )
         result.metrics["clock_bound_s"] = max(bound for _, bound in clocks.values())
         result.metrics["clock_sensitive"] = found.changed
         result.metrics["clock_placements"] = [found.tried, found.placements]  # judged, of those that reorder
     if out is not None:
-        write_run_files(out, {"history.jsonl": history.write_jsonl,
-                              "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
-                              "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n")}, result)
+        write_run_files(
+            out,
+            {
+                "history.jsonl": history.write_jsonl,
+                "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
+                "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
+            },
+            result,
+        )
     return result
 
 

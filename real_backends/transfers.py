@@ -31,8 +31,9 @@ def _rates(fns, nbytes: int, repeats: int) -> list[float]:
     return [nbytes / statistics.median(t) for t in times]
 
 
-def measure(sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu",
-            prep_each: bool = False) -> dict[str, Any]:
+def measure(
+    sizes_mib=(1, 4, 16, 64), repeats: int = 15, device: str = "cpu", prep_each: bool = False
+) -> dict[str, Any]:
     """``prep_each``: every READ prepares its descriptor lists afresh and releases them, as the EPLB communicator's
     ``add_recv`` does (the calibration measures that path); otherwise the lists are prepared once."""
     import torch
@@ -80,7 +81,7 @@ def _owner(conn, package: str, sizes_mib, device: str) -> None:
             conn.send((agent.get_agent_metadata(), src.data_ptr(), max(src.get_device(), 0)))
             conn.recv()  # the reader is done with this size
         except (EOFError, OSError):  # the reader stopped (an error there, said there, or it gave up waiting for this
-            return                   # process in from_owner): nothing left to serve, and nothing to add
+            return  # process in from_owner): nothing left to serve, and nothing to add
         agent.deregister_memory(reg)
     conn.close()
 
@@ -120,8 +121,9 @@ def from_owner(conn, owner, wait_s: float = 120.0):
         pass
     owner.join(5)
     how = "gave no answer" if owner.exitcode is None else f"exited with status {owner.exitcode}"
-    raise BackendUnavailable(f"the NIXL peer process {how} before registering its memory; run the benchmark "
-                             f"alone to see its error")
+    raise BackendUnavailable(
+        f"the NIXL peer process {how} before registering its memory; run the benchmark alone to see its error"
+    )
 
 
 def memory_and_devices(device: str) -> tuple[str, str, str]:
@@ -189,10 +191,14 @@ def _measure(api, package: str, sizes_mib, repeats: int, device: str, prep_each:
             first_s = time.perf_counter() - connect_started
             assert torch.equal(dst, src.to(dst.device)), "the READ did not move the bytes"
             nixl_rate, copy_rate = _rates([nixl_read, torch_copy], nbytes, repeats)
-            out["sizes"][f"{mib}MiB"] = {"bytes": nbytes, "nixl_s": nbytes / nixl_rate, "first_s": first_s,
-                                         "nixl_GBps": round(nixl_rate / 1e9, 2),
-                                         "torch_GBps": round(copy_rate / 1e9, 2),
-                                         "ratio": round(nixl_rate / copy_rate, 3)}
+            out["sizes"][f"{mib}MiB"] = {
+                "bytes": nbytes,
+                "nixl_s": nbytes / nixl_rate,
+                "first_s": first_s,
+                "nixl_GBps": round(nixl_rate / 1e9, 2),
+                "torch_GBps": round(copy_rate / 1e9, 2),
+                "ratio": round(nixl_rate / copy_rate, 3),
+            }
             reader.release_dlist_handle(local)
             reader.release_dlist_handle(remote)
             reader.remove_remote_agent(name)

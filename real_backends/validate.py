@@ -25,8 +25,14 @@ from sim.run import Result, run_scenario
 
 from .run import run_real
 
-LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_live_agents_per_process", "transfers",
-          "bytes_moved")
+LEDGER = (
+    "registrations",
+    "duplicate_registrations",
+    "agents_created",
+    "max_live_agents_per_process",
+    "transfers",
+    "bytes_moved",
+)
 STREAM_LAG = "device.stream_lag:delay_s=0.01"  # what the lagged cases inject, and the check of a race without it
 UP_2_TO_3 = {"timeline.0.to": 3, "max_ranks": 3}
 DOWN_3_TO_2 = {"ranks": 3, "timeline.0.to": 2}
@@ -80,31 +86,45 @@ CASES: list[Case] = [
     # The GC and worker faults the real backend does for real.  gc.late waits 10 s: far longer than the ~2 s a
     # rank with live agents takes to exit, so the late finalizer still runs after the reconfiguration in both
     # worlds (with 2 s the real verdict depends on that race; docs/validation.md).
-    *(Case("scale-down", "per-communicator-agent", DOWN_3_TO_2, (f,), quick=f in ("gc.thread", "storage.move"))
-      for f in ("gc.late:delay_s=10", "gc.cycle", "gc.thread", "gc.never", "peer.restart", "storage.move")),
+    *(
+        Case("scale-down", "per-communicator-agent", DOWN_3_TO_2, (f,), quick=f in ("gc.thread", "storage.move"))
+        for f in ("gc.late:delay_s=10", "gc.cycle", "gc.thread", "gc.never", "peer.restart", "storage.move")
+    ),
     # gc.late on either side of the departing rank's exit, which takes a real rank about half a second (a last
     # collection, the process's teardown): finalized before it, the survivors' old communicator removes the peer in
     # time (pass); after it, the peer is still loaded when the reconfiguration completes (stale_peer).  Only a
     # calibrated clock gives the exit its duration: uncalibrated, the first case would be stale_peer too.
-    *(Case("scale-down", "per-communicator-agent", DOWN_3_TO_2, (f"gc.late:delay_s={d}",), quick=True, timed=True)
-      for d in (0.05, 5)),
+    *(
+        Case("scale-down", "per-communicator-agent", DOWN_3_TO_2, (f"gc.late:delay_s={d}",), quick=True, timed=True)
+        for d in (0.05, 5)
+    ),
     # The copy/READ race on VRAM (sim/device.py): each rank's stream 10 ms behind its row copies.  Both zero-copy
     # strategies are predicted to fail expert_weights; the real backend can only lag a CUDA stream.
-    *(Case("scale-up", s, UP_2_TO_3, (STREAM_LAG,), device="cuda")
-      for s in ("shared-agent", "per-communicator-agent")),
+    *(Case("scale-up", s, UP_2_TO_3, (STREAM_LAG,), device="cuda") for s in ("shared-agent", "per-communicator-agent")),
     # The same race with no fault under vLLM's defaults (async scheduling: a step's forward work queued when EPLB
     # runs): expert_weights for a zero-copy strategy, a pass for one that synchronizes the stream before its READs.
-    *(Case("scale-up", s, UP_2_TO_3, device="cuda", in_step=False)
-      for s in ("shared-agent", "tests.strategies.stream_synced:create")),
+    *(
+        Case("scale-up", s, UP_2_TO_3, device="cuda", in_step=False)
+        for s in ("shared-agent", "tests.strategies.stream_synced:create")
+    ),
     # Real DeepEP buffers (intranode, high throughput: 2, 4 or 8 ranks, sharing the GPUs there are) through a
     # scale-up and a scale-down: the simulation predicts vLLM 0.33.0's old buffers dropped without destroy() at the
     # switch, which DeepEP only warns about (safety: leak); and a late collection of the old buffer.
-    *(Case(scenario, strategy, {**sizes, "all2all.backend": "deepep_high_throughput"}, faults, device="cuda",
-           deep_ep=True)
-      for scenario, strategy, sizes, faults in (
-          ("scale-up", "shared-agent", UP_2_TO_4, ()),
-          ("scale-down", "per-communicator-agent", DOWN_4_TO_2, ()),
-          ("scale-down", "per-communicator-agent", DOWN_4_TO_2, ("gc.late:what=buffer,delay_s=1",)))),
+    *(
+        Case(
+            scenario,
+            strategy,
+            {**sizes, "all2all.backend": "deepep_high_throughput"},
+            faults,
+            device="cuda",
+            deep_ep=True,
+        )
+        for scenario, strategy, sizes, faults in (
+            ("scale-up", "shared-agent", UP_2_TO_4, ()),
+            ("scale-down", "per-communicator-agent", DOWN_4_TO_2, ()),
+            ("scale-down", "per-communicator-agent", DOWN_4_TO_2, ("gc.late:what=buffer,delay_s=1",)),
+        )
+    ),
 ]
 
 
@@ -137,13 +157,26 @@ def compare(sim: Result, real: Result, timed: bool = False) -> tuple[bool, list[
 
 def run_case(case: Case, device: str, timeout_s: float, calibration=None) -> dict[str, Any]:
     sc = case.load(device)
-    sim = run_scenario(sc, strategy=case.strategy, profile=predicted_profile(device), faults=list(case.faults),
-                       calibration=calibration if case.timed else None)
+    sim = run_scenario(
+        sc,
+        strategy=case.strategy,
+        profile=predicted_profile(device),
+        faults=list(case.faults),
+        calibration=calibration if case.timed else None,
+    )
     real = run_real(sc, strategy=case.strategy, faults=list(case.faults), device=device, timeout_s=timeout_s)
     agree, diffs = compare(sim, real, case.timed)
-    row = {"case": case.name, "scenario": case.scenario, "strategy": case.strategy, "overrides": case.overrides,
-           "faults": list(case.faults), "agree": agree, "differences": diffs,
-           "sim": _brief(sim), "real": _brief(real)}
+    row = {
+        "case": case.name,
+        "scenario": case.scenario,
+        "strategy": case.strategy,
+        "overrides": case.overrides,
+        "faults": list(case.faults),
+        "agree": agree,
+        "differences": diffs,
+        "sim": _brief(sim),
+        "real": _brief(real),
+    }
     lagged = with_stream_lag(case, device, sim, real)
     if lagged is not None:
         row["with_stream_lag"] = lagged
@@ -154,18 +187,33 @@ def with_stream_lag(case: Case, device: str, sim: Result, real: Result) -> dict[
     """The simulation of ``case`` again with every rank's stream lagged, when the real run on a GPU broke the weights
     and the simulation without lag did not (else None): ``matches_real`` says whether it then gives the real
     verdict and invariant, i.e. whether the copy/READ race explains the disagreement."""
-    if (device != "cuda" or real.invariant != "expert_weights" or sim.invariant == "expert_weights"
-            or any(f.startswith("device.stream_lag") for f in case.faults)):
+    if (
+        device != "cuda"
+        or real.invariant != "expert_weights"
+        or sim.invariant == "expert_weights"
+        or any(f.startswith("device.stream_lag") for f in case.faults)
+    ):
         return None
-    lagged = run_scenario(case.load(device), strategy=case.strategy, profile=predicted_profile(device),
-                          faults=[*case.faults, STREAM_LAG])
-    return {"fault": STREAM_LAG, "sim": _brief(lagged),
-            "matches_real": (lagged.verdict, lagged.invariant) == (real.verdict, real.invariant)}
+    lagged = run_scenario(
+        case.load(device), strategy=case.strategy, profile=predicted_profile(device), faults=[*case.faults, STREAM_LAG]
+    )
+    return {
+        "fault": STREAM_LAG,
+        "sim": _brief(lagged),
+        "matches_real": (lagged.verdict, lagged.invariant) == (real.verdict, real.invariant),
+    }
 
 
 def _brief(r: Result) -> dict[str, Any]:
-    return {"verdict": r.verdict, "invariant": r.invariant, "detail": r.detail, "signature": r.signature,
-            "ledger": {k: r.metrics.get(k) for k in LEDGER}, "wall_s": r.wall_s, "profile": r.profile}
+    return {
+        "verdict": r.verdict,
+        "invariant": r.invariant,
+        "detail": r.detail,
+        "signature": r.signature,
+        "ledger": {k: r.metrics.get(k) for k in LEDGER},
+        "wall_s": r.wall_s,
+        "profile": r.profile,
+    }
 
 
 def conformance(device: str) -> dict[str, Any]:
@@ -173,26 +221,43 @@ def conformance(device: str) -> dict[str, Any]:
 
     memory = "vram" if device == "cuda" else "dram"
     report = conform.run("real", predicted_profile(device), memory)
-    cases = [{"name": c["name"], "outcome": c["outcome"], "observed": c["observed"], "expected": c["expected"]}
-             for c in report["cases"]]
-    return {"memory": memory, "profile": predicted_profile(device), "matched_profile": report["matched_profile"],
-            "cases": cases, "notes": report["notes"], "agree": all(c["outcome"] != "fail" for c in cases)}
+    cases = [
+        {"name": c["name"], "outcome": c["outcome"], "observed": c["observed"], "expected": c["expected"]}
+        for c in report["cases"]
+    ]
+    return {
+        "memory": memory,
+        "profile": predicted_profile(device),
+        "matched_profile": report["matched_profile"],
+        "cases": cases,
+        "notes": report["notes"],
+        "agree": all(c["outcome"] != "fail" for c in cases),
+    }
 
 
 REFERENCE_CALIBRATION = BUNDLED / "cpu-2core-1ms-poll.json"
 
 
-def run_validation(device: str = "cpu", quick: bool = False, timeout_s: float = 120.0, catalogue: bool = True,
-                   on_case: Callable[[str, dict[str, Any] | None], None] | None = None,
-                   calibration: str | Path | None = None) -> dict[str, Any]:
+def run_validation(
+    device: str = "cpu",
+    quick: bool = False,
+    timeout_s: float = 120.0,
+    catalogue: bool = True,
+    on_case: Callable[[str, dict[str, Any] | None], None] | None = None,
+    calibration: str | Path | None = None,
+) -> dict[str, Any]:
     """``calibration``: the file the timed cases simulate with (default: the 2-core VM's in calibrations/; their
     delays sit far enough on either side of an exit for any host's)."""
     from sim.calibration import load as load_calibration
 
     timing = load_calibration(calibration or REFERENCE_CALIBRATION)
     started = time.perf_counter()
-    out: dict[str, Any] = {"device": device, "profile": predicted_profile(device), "quick": quick,
-                           "calibration": str(calibration or REFERENCE_CALIBRATION)}
+    out: dict[str, Any] = {
+        "device": device,
+        "profile": predicted_profile(device),
+        "quick": quick,
+        "calibration": str(calibration or REFERENCE_CALIBRATION),
+    }
     if catalogue:
         if on_case:
             on_case("NIXL behaviour catalogue", None)

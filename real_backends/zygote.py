@@ -35,9 +35,19 @@ from .rank import _die_with_parent
 
 ENV = "EPSIM_RANK_ZYGOTE"
 # What a rank imports before it can start (the rest is small): imported here once, in this order.
-PRELOAD = ("torch", "torch.distributed", "numpy", "real_backends.rank", "real_backends.ledger",
-           "real_backends.groups", "real_backends.nixl_real", "sim.eplb.move", "sim.eplb.communicators.per_agent",
-           "sim.eplb.communicators.shared_agent", "sim.eplb.communicators.arena_registry")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "real_backends.rank",
+    "real_backends.ledger",
+    "real_backends.groups",
+    "real_backends.nixl_real",
+    "sim.eplb.move",
+    "sim.eplb.communicators.per_agent",
+    "sim.eplb.communicators.shared_agent",
+    "sim.eplb.communicators.arena_registry",
+)
 MAX_PACKET = 1 << 16
 
 

@@ -49,8 +49,13 @@ class DeepEPAll2AllManager:
         experts = EXPERTS_PER_RANK * n
         if self.low_latency:
             hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN_LL, n, experts)
-            return {"group": self.group, "num_rdma_bytes": hint, "low_latency_mode": True,
-                    "num_qps_per_rank": EXPERTS_PER_RANK, "explicitly_destroy": self.explicitly_destroy}
+            return {
+                "group": self.group,
+                "num_rdma_bytes": hint,
+                "low_latency_mode": True,
+                "num_qps_per_rank": EXPERTS_PER_RANK,
+                "explicitly_destroy": self.explicitly_destroy,
+            }
         return {"group": self.group, "num_nvl_bytes": 1 << 20, "explicitly_destroy": self.explicitly_destroy}
 
     def get_handle(self) -> Any:
@@ -94,8 +99,7 @@ def manager_for(cfg: Any, group: Any, worker: Any) -> DeepEPAll2AllManager | Non
         return None
     if worker.a2a_process is None:
         worker.a2a_process = ProcessState()
-    return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy,
-                                worker.a2a_process)
+    return DeepEPAll2AllManager(group, cfg.backend == "deepep_low_latency", cfg.explicitly_destroy, worker.a2a_process)
 
 
 def switch(worker: Any, drop: Callable[[Any, str], None]) -> DeepEPAll2AllManager:
@@ -125,8 +129,16 @@ def shut_down(worker: Any, drop: Callable[[Any, str], None]) -> None:
         del buf
 
 
-def forward(buf: Any, rank: int, n: int, gen: torch.Generator, *, extra_dispatch: bool = False,
-            stale_handle: Any = None, device: str = "cpu") -> tuple[str | None, Any]:
+def forward(
+    buf: Any,
+    rank: int,
+    n: int,
+    gen: torch.Generator,
+    *,
+    extra_dispatch: bool = False,
+    stale_handle: Any = None,
+    device: str = "cpu",
+) -> tuple[str | None, Any]:
     """One MoE layer's dispatch, local experts and combine through ``buf``: (a description of the first wrong token,
     or None when the result equals the single-process reference; the dispatch's handle).
 
@@ -148,13 +160,19 @@ def forward(buf: Any, rank: int, n: int, gen: torch.Generator, *, extra_dispatch
         for le in range(EXPERTS_PER_RANK):
             c = int(count[le])
             y[le, :c] = expert(rank * EXPERTS_PER_RANK + le, recv_x[le, :c].float()).to(y.dtype)
-        combined, _, _ = buf.low_latency_combine(y.to(device), idxd, wd,
-                                                 handle if stale_handle is None else stale_handle)
+        combined, _, _ = buf.low_latency_combine(
+            y.to(device), idxd, wd, handle if stale_handle is None else stale_handle
+        )
     else:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxd, experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
-            xd, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idxd, topk_weights=wd)
+            xd,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idxd,
+            topk_weights=wd,
+        )
         y = local_experts(recv_x.cpu(), recv_idx.cpu(), recv_w.cpu(), rank, EXPERTS_PER_RANK)
         combined, _, _ = buf.combine(y.to(device), handle if stale_handle is None else stale_handle)
     want = reference(x.float(), idx, w)

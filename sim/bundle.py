@@ -95,8 +95,9 @@ def slug(signature: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", "__".join(parts))[:120]
 
 
-def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faults: list[str],
-                 extra: dict[str, Any] | None = None):
+def write_config(
+    path: Path, sc, *, seed: int, strategy: str, profile: str, faults: list[str], extra: dict[str, Any] | None = None
+):
     """Run the configuration once more with its history written into ``path``, then write failure.json; returns
     the run's :class:`~sim.run.Result`.  A bundle already at ``path`` has its own files replaced; nothing else there
     is removed (the commands check the folder first, :func:`sim.outputs.bundle_dir`)."""
@@ -109,16 +110,32 @@ def write_config(path: Path, sc, *, seed: int, strategy: str, profile: str, faul
     fault_args = " ".join(f"--fault {shlex.quote(f)}" for f in faults)
     data = {
         "format": FORMAT,
-        "config": {"scenario": sc.name, "seed": seed, "strategy": strategy, "profile": profile,
-                   "faults": list(faults), "elastic_events": len(sc.timeline), "ranks": sc.ranks,
-                   "steps": sc.steps},
-        "outcome": {"verdict": result.verdict, "invariant": result.invariant, "detail": result.detail,
-                    "signature": result.signature, "trace_hash": result.trace_hash, "events": result.events,
-                    "implicated": result.implicated, "crash": result.crash},
+        "config": {
+            "scenario": sc.name,
+            "seed": seed,
+            "strategy": strategy,
+            "profile": profile,
+            "faults": list(faults),
+            "elastic_events": len(sc.timeline),
+            "ranks": sc.ranks,
+            "steps": sc.steps,
+        },
+        "outcome": {
+            "verdict": result.verdict,
+            "invariant": result.invariant,
+            "detail": result.detail,
+            "signature": result.signature,
+            "trace_hash": result.trace_hash,
+            "events": result.events,
+            "implicated": result.implicated,
+            "crash": result.crash,
+        },
         "versions": _versions(),
         "replay": f"epsim replay {shlex.quote(str(path))}",
-        "run": (f"epsim run {shlex.quote(str(path / 'scenario.yaml'))} --seed {seed} --strategy "
-                f"{shlex.quote(strategy)} --profile {profile} {fault_args}").strip(),
+        "run": (
+            f"epsim run {shlex.quote(str(path / 'scenario.yaml'))} --seed {seed} --strategy "
+            f"{shlex.quote(strategy)} --profile {profile} {fault_args}"
+        ).strip(),
         **(extra or {}),
     }
     (path / "failure.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -129,13 +146,21 @@ def write(spec, row: dict[str, Any], bundles_dir: Path) -> Path:
     """The bundle of a sweep's failing run ``row`` (its spec ``spec``), in ``bundles_dir``."""
     sc = spec.load_scenario()
     path = _free(Path(bundles_dir) / f"{slug(row['signature'])}-seed{spec.seed}")
-    result = write_config(path, sc, seed=spec.seed, strategy=spec.strategy, profile=spec.profile,
-                          faults=list(row["faults_armed"]),
-                          extra={"found_by": {"run_key": row["run_key"], "trace_hash": row["trace_hash"]}})
+    result = write_config(
+        path,
+        sc,
+        seed=spec.seed,
+        strategy=spec.strategy,
+        profile=spec.profile,
+        faults=list(row["faults_armed"]),
+        extra={"found_by": {"run_key": row["run_key"], "trace_hash": row["trace_hash"]}},
+    )
     if result.trace_hash != row["trace_hash"] or result.signature != row["signature"]:
         data = json.loads((path / "failure.json").read_text())
-        data["nondeterministic"] = (f"the sweep's run gave {row['signature']} / {row['trace_hash']}, the run "
-                                    f"that wrote this bundle {result.signature} / {result.trace_hash}")
+        data["nondeterministic"] = (
+            f"the sweep's run gave {row['signature']} / {row['trace_hash']}, the run "
+            f"that wrote this bundle {result.signature} / {result.trace_hash}"
+        )
         (path / "failure.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -257,8 +282,10 @@ class Replay:
         now = json.loads(json.dumps(getattr(self.result, "tape", []), default=str))
         for i, (was, is_) in enumerate(zip(recorded, now)):
             if was != is_:
-                return f"decision {i + 1} of {len(recorded)}: the tape has {was[0]} {was[1]} {was[2]}, the replay " \
-                       f"drew {is_[0]} {is_[1]} {is_[2]}"
+                return (
+                    f"decision {i + 1} of {len(recorded)}: the tape has {was[0]} {was[1]} {was[2]}, the replay "
+                    f"drew {is_[0]} {is_[1]} {is_[2]}"
+                )
         if len(recorded) != len(now):
             return f"the tape has {len(recorded)} decisions, the replay made {len(now)}"
         return None
@@ -269,6 +296,7 @@ def replay(path: str | Path, out: str | Path | None = None) -> Replay:
     from .run import run_scenario
 
     c = b.config
-    result = run_scenario(b.scenario(), seed=c["seed"], strategy=c["strategy"], profile=c["profile"],
-                          faults=b.faults(), out=out)
+    result = run_scenario(
+        b.scenario(), seed=c["seed"], strategy=c["strategy"], profile=c["profile"], faults=b.faults(), out=out
+    )
     return Replay(b, result)

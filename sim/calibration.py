@@ -39,26 +39,53 @@ class HostLoad(BaseModel):
     first_remote_setup_s: float = Field(0.0, ge=0, description="an agent's first add_remote_agent")
     remote_setup_s: float = Field(0.0, ge=0, description="each later add_remote_agent of the agent")
     collect_s: float = Field(0.0, ge=0, description="a full gc.collect() while every rank collects")
-    gather_s: float = Field(0.0, ge=0, description="an all_gather_object of an agent's metadata (pickling, two "
-                                                    "collectives): every object collective")
-    barrier_s: float | None = Field(None, ge=0, description="a round's barrier, last arrival to first result; "
-                                                            "informational")
+    gather_s: float = Field(
+        0.0,
+        ge=0,
+        description="an all_gather_object of an agent's metadata (pickling, two collectives): every object collective",
+    )
+    barrier_s: float | None = Field(
+        None, ge=0, description="a round's barrier, last arrival to first result; informational"
+    )
     cold_collective_s: float | None = Field(None, ge=0, description="an all_reduce after 20 ms idle; informational")
-    stall_s: float = Field(0.0, ge=0, description=(
-        "fitted, not measured alone: what each collective of a rebalance costs on top of collective_s when the "
-        "ranks' READs, copies and events share the host (the wait for a rank the scheduler set aside)"))
+    stall_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "fitted, not measured alone: what each collective of a rebalance costs on top of collective_s when the "
+            "ranks' READs, copies and events share the host (the wait for a rank the scheduler set aside)"
+        ),
+    )
     command_s: float = Field(0.0, ge=0, description="between the arrivals of a command sent to each rank in turn")
     teardown_s: float = Field(0.0, ge=0, description="a rank process's end after its last collection at exit")
     copy_latency_s: float = Field(0.0, ge=0, description="a row copy in host memory, fixed cost")
     copy_Bps: float | None = Field(None, gt=0, description="bytes per second of a row copy in host memory")
-    rounds: list[list[float]] = Field(default_factory=list, description="(READs, bytes each, seconds) of the "
-                                                                        "layer-like rounds the transfer fit used")
+    rounds: list[list[float]] = Field(
+        default_factory=list, description="(READs, bytes each, seconds) of the layer-like rounds the transfer fit used"
+    )
 
 
 # The costs a HostLoad row gives the simulation, by name (interpolated between measured rank counts).
-LOAD_COSTS = ("xfer_latency_s", "post_s", "connect_s", "collective_s", "gather_s", "first_agent_s", "agent_s",
-              "register_s", "first_remote_setup_s", "remote_setup_s", "collect_s", "seconds_per_byte",
-              "copy_latency_s", "copy_seconds_per_byte", "command_s", "teardown_s", "stall_s", "group_s")
+LOAD_COSTS = (
+    "xfer_latency_s",
+    "post_s",
+    "connect_s",
+    "collective_s",
+    "gather_s",
+    "first_agent_s",
+    "agent_s",
+    "register_s",
+    "first_remote_setup_s",
+    "remote_setup_s",
+    "collect_s",
+    "seconds_per_byte",
+    "copy_latency_s",
+    "copy_seconds_per_byte",
+    "command_s",
+    "teardown_s",
+    "stall_s",
+    "group_s",
+)
 
 
 class Calibration(BaseModel):
@@ -67,28 +94,51 @@ class Calibration(BaseModel):
     xfer_latency_s: float = Field(ge=0, description="fixed cost of one READ (post to DONE), seconds")
     bandwidth_Bps: float = Field(gt=0, description="bytes per second of one READ beyond its fixed cost")
     collective_latency_s: float = Field(0.0, ge=0, description="an all_reduce of a few bytes, seconds")
-    connect_s: float = Field(0.0, ge=0, description="what the first READ towards a peer costs on top: loading its "
-                                                     "metadata and wiring the endpoint up, seconds")
+    connect_s: float = Field(
+        0.0,
+        ge=0,
+        description="what the first READ towards a peer costs on top: loading its "
+        "metadata and wiring the endpoint up, seconds",
+    )
     process_start_s: float | None = Field(None, ge=0, description="a rank process until it can take commands")
-    collect_s: float = Field(0.0, ge=0, description="a planned gc.collect() in a process loaded as a rank is (torch, "
-                                                     "NIXL, epsim): the simulation's planned collections take it")
-    concurrent_share: float | None = Field(None, gt=0, description=(
-        "k READs of one process posted together over k single READs: 1 when they share its bandwidth (the "
-        "simulation's model), 1/k when each has all of it; informational"))
+    collect_s: float = Field(
+        0.0,
+        ge=0,
+        description="a planned gc.collect() in a process loaded as a rank is (torch, "
+        "NIXL, epsim): the simulation's planned collections take it",
+    )
+    concurrent_share: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "k READs of one process posted together over k single READs: 1 when they share its bandwidth (the "
+            "simulation's model), 1/k when each has all of it; informational"
+        ),
+    )
     device: str = "cpu"
     memory: str = "DRAM"
     nixl: str = ""
     host: str = ""
     measured_at: str = ""
     points: list[dict[str, float]] = Field(default_factory=list, description="(bytes, seconds) the fit used")
-    quick: bool = Field(False, description="measured with `epsim calibrate --quick`: three sizes and a few repeats, "
-                                           "a check that the path works rather than numbers to trust")
-    progress_delay_us: int = Field(0, ge=0, description="the rank processes' NIXL progress-thread poll timeout "
-                                                        "while measured (0: vLLM's busy loop)")
+    quick: bool = Field(
+        False,
+        description="measured with `epsim calibrate --quick`: three sizes and a few repeats, "
+        "a check that the path works rather than numbers to trust",
+    )
+    progress_delay_us: int = Field(
+        0,
+        ge=0,
+        description="the rank processes' NIXL progress-thread poll timeout while measured (0: vLLM's busy loop)",
+    )
     fitted_on: str = Field("", description="the real run each row's stall_s was fitted on (judge on others)")
-    loaded: list[HostLoad] = Field(default_factory=list, description=(
-        "the costs with 2, 3, ... rank processes on the host; when present the simulation charges each cost at the "
-        "number of rank processes alive at the time, and the fields above are not used"))
+    loaded: list[HostLoad] = Field(
+        default_factory=list,
+        description=(
+            "the costs with 2, 3, ... rank processes on the host; when present the simulation charges each cost at the "
+            "number of rank processes alive at the time, and the fields above are not used"
+        ),
+    )
 
     def costs(self, ranks: int) -> dict[str, float]:
         """Every cost of :data:`LOAD_COSTS` with ``ranks`` rank processes alive: a measured row, linear between two
@@ -96,10 +146,15 @@ class Calibration(BaseModel):
         first.  Bandwidth goes as seconds per byte, which grows with the processes sharing the cores."""
         rows = sorted(self.loaded, key=lambda r: r.ranks)
         if not rows:  # the two-process numbers; every other cost is none
-            return {**dict.fromkeys(LOAD_COSTS, 0.0), "xfer_latency_s": self.xfer_latency_s,
-                    "connect_s": self.connect_s, "collective_s": self.collective_latency_s,
-                    "gather_s": self.collective_latency_s, "collect_s": self.collect_s,
-                    "seconds_per_byte": 1.0 / self.bandwidth_Bps}
+            return {
+                **dict.fromkeys(LOAD_COSTS, 0.0),
+                "xfer_latency_s": self.xfer_latency_s,
+                "connect_s": self.connect_s,
+                "collective_s": self.collective_latency_s,
+                "gather_s": self.collective_latency_s,
+                "collect_s": self.collect_s,
+                "seconds_per_byte": 1.0 / self.bandwidth_Bps,
+            }
 
         def value(row: HostLoad, key: str) -> float:
             if key == "seconds_per_byte":
@@ -144,11 +199,14 @@ def load(path: str | Path) -> Calibration:
     try:
         data: Any = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ScenarioError(f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`, or name a "
-                            f"shipped one: {', '.join(bundled()) or 'none'})") from None
+        raise ScenarioError(
+            f"calibration {p}: no such file (write one with `epsim calibrate --out {p}`, or name a "
+            f"shipped one: {', '.join(bundled()) or 'none'})"
+        ) from None
     except IsADirectoryError:
-        raise ScenarioError(f"calibration {p}: that is a directory; give the JSON file `epsim calibrate --out` "
-                            f"wrote") from None
+        raise ScenarioError(
+            f"calibration {p}: that is a directory; give the JSON file `epsim calibrate --out` wrote"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ScenarioError(f"calibration {p}: not a JSON file ({exc})") from None
     except RecursionError:

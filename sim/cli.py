@@ -21,8 +21,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_errors  # type: ignore[no-redef]
 
 from . import __version__, quiet
-from .errors import (BackendUnavailable, BadOutput, EpsimError, InternalError, ScenarioError, UnknownName, one_line,
-                     prog)
+from .errors import BackendUnavailable, BadOutput, EpsimError, InternalError, ScenarioError, UnknownName, one_line, prog
 from .outputs import OutputFailed, bundle_dir, run_dir, writable_dir, writable_file, write_file_replacing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Elastic-EP communicator lifecycle testbed.")
@@ -35,8 +34,11 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Elastic-EP communicator lifecycle testbed."""
 
 
@@ -73,11 +75,26 @@ def conform(
 
     report = _conform.run(backend, profile, memory)
     if as_json:
-        typer.echo(json.dumps({"backend": report["backend"], "memory": report["memory"],
-                               "profile": report["profile"], "matched_profile": report["matched_profile"],
-                               "cases": [{"name": c["name"], "outcome": c["outcome"], "observed": c["observed"],
-                                          "expected": c["expected"]} for c in report["cases"]],
-                               "notes": report["notes"]}))
+        typer.echo(
+            json.dumps(
+                {
+                    "backend": report["backend"],
+                    "memory": report["memory"],
+                    "profile": report["profile"],
+                    "matched_profile": report["matched_profile"],
+                    "cases": [
+                        {
+                            "name": c["name"],
+                            "outcome": c["outcome"],
+                            "observed": c["observed"],
+                            "expected": c["expected"],
+                        }
+                        for c in report["cases"]
+                    ],
+                    "notes": report["notes"],
+                }
+            )
+        )
     else:
         for note in report["notes"]:
             typer.echo(f"epsim: note: {note}", err=True)
@@ -89,8 +106,10 @@ def conform(
                 line += f"  ({c.get('reason', '')})"
             typer.echo(line)
         counts = {k: sum(c["outcome"] == k for c in report["cases"]) for k in ("pass", "fail", "skip")}
-        typer.echo(f"{backend} NIXL on {report['memory']}: {counts['pass']} pass, {counts['fail']} fail, "
-                   f"{counts['skip']} skip; matched profile: {report['matched_profile'] or 'none'}")
+        typer.echo(
+            f"{backend} NIXL on {report['memory']}: {counts['pass']} pass, {counts['fail']} fail, "
+            f"{counts['skip']} skip; matched profile: {report['matched_profile'] or 'none'}"
+        )
     if report["matched_profile"] is None or any(c["outcome"] == "fail" for c in report["cases"]):
         raise typer.Exit(1)
 
@@ -117,8 +136,10 @@ def _conform_deep_ep(backend: str, module: str, as_json: bool) -> None:
             if c["outcome"] == "fail":
                 line += f"  observed={c['observed']!r} expected={c['expected']!r}"
             typer.echo(line)
-        typer.echo(f"{backend} DeepEP ({report['module']}): {counts['pass']} pass, {counts['fail']} fail "
-                   f"in {report['seconds']} s")
+        typer.echo(
+            f"{backend} DeepEP ({report['module']}): {counts['pass']} pass, {counts['fail']} fail "
+            f"in {report['seconds']} s"
+        )
     if counts["fail"]:
         raise typer.Exit(1)
 
@@ -132,20 +153,27 @@ def run(
     fault: list[str] = typer.Option([], "--fault", help="SITE[:k=v,...], repeatable; see `epsim faults`"),
     out: Optional[str] = typer.Option(None, help="write history.jsonl and trace.perfetto.json here"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-    check_determinism: bool = typer.Option(False, "--check-determinism",
-                                           help="run again in a fresh process (other PYTHONHASHSEED); compare"),
-    overrides: list[str] = typer.Option([], "--set", help="KEY=VALUE scenario override, repeatable (ranks=3, "
-                                                          "timeline.0.to=2)"),
-    backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real "
-                                            "NIXL)"),
+    check_determinism: bool = typer.Option(
+        False, "--check-determinism", help="run again in a fresh process (other PYTHONHASHSEED); compare"
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="KEY=VALUE scenario override, repeatable (ranks=3, timeline.0.to=2)"
+    ),
+    backend: str = typer.Option("sim", help="sim (fakes, simulated time) or real (one process per rank, real NIXL)"),
     device: str = typer.Option("cpu", help="real backend: expert weights in host memory (cpu) or VRAM (cuda)"),
-    timeout: Optional[float] = typer.Option(None, min=0.001, max=MAX_TIMEOUT_S,
-                                            help="real backend: seconds a rank may take to answer one command "
-                                                 "(default 120; a new rank's start-up has 120 s more)"),
-    calibration: Optional[str] = typer.Option(None, help="simulation: a host's costs, from `epsim calibrate --out "
-                                                         "FILE` or shipped (cpu-2core-1ms-poll)"),
-    ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host", min=1,
-                                                 help="real backend: most rank processes one host runs at once"),
+    timeout: Optional[float] = typer.Option(
+        None,
+        min=0.001,
+        max=MAX_TIMEOUT_S,
+        help="real backend: seconds a rank may take to answer one command "
+        "(default 120; a new rank's start-up has 120 s more)",
+    ),
+    calibration: Optional[str] = typer.Option(
+        None, help="simulation: a host's costs, from `epsim calibrate --out FILE` or shipped (cpu-2core-1ms-poll)"
+    ),
+    ranks_per_host: Optional[int] = typer.Option(
+        None, "--ranks-per-host", min=1, help="real backend: most rank processes one host runs at once"
+    ),
 ) -> None:
     """Run SCENARIO and judge it: exit 0 on pass, 1 on any other verdict, 2 on bad input."""
     from . import cli_run
@@ -160,18 +188,31 @@ def run(
 
     if out is not None:
         if (Path(out) / "failure.json").is_file():
-            raise BadOutput(f"--out {out}: that is a failure bundle, whose history and tape the run would replace; "
-                            f"give another directory")
+            raise BadOutput(
+                f"--out {out}: that is a failure bundle, whose history and tape the run would replace; "
+                f"give another directory"
+            )
         run_dir(out, "--out")  # before the run: a bad path costs one line, not the run
     # With --json, stdout holds the one JSON object: what the code under test prints (a strategy's module at
     # import, a finalizer) goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
         with quiet:
-            result, again = cli_run.run_command(scenario, seed=seed, strategy=strategy, profile=profile, faults=fault,
-                                               out=out, check_determinism=check_determinism, overrides=overrides,
-                                               backend=backend, device=device, timeout_s=timeout,
-                                               calibration=calibration, ranks_per_host=ranks_per_host)
+            result, again = cli_run.run_command(
+                scenario,
+                seed=seed,
+                strategy=strategy,
+                profile=profile,
+                faults=fault,
+                out=out,
+                check_determinism=check_determinism,
+                overrides=overrides,
+                backend=backend,
+                device=device,
+                timeout_s=timeout,
+                calibration=calibration,
+                ranks_per_host=ranks_per_host,
+            )
     except OutputFailed as exc:  # the run finished: its result first, then the one line about its files
         typer.echo(json.dumps(exc.result.to_dict()) if as_json else cli_run.summary(exc.result, None))
         raise OutputFailed(f"{exc}; the run's result is printed above", exc.result) from None
@@ -193,11 +234,14 @@ def validate(
     device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM, one process per GPU)"),
     quick: bool = typer.Option(False, "--quick", help="a smaller scenario set (the one CI runs)"),
     catalogue: bool = typer.Option(True, "--catalogue/--no-catalogue", help="run the NIXL behaviour catalogue"),
-    timeout: float = typer.Option(120.0, min=0.001, max=MAX_TIMEOUT_S,
-                                  help="seconds a rank may take to answer one command"),
+    timeout: float = typer.Option(
+        120.0, min=0.001, max=MAX_TIMEOUT_S, help="seconds a rank may take to answer one command"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-    calibration: Optional[str] = typer.Option(None, help="what the cases whose verdict turns on timing simulate with "
-                                                         "(default: the shipped cpu-2core-1ms-poll)"),
+    calibration: Optional[str] = typer.Option(
+        None,
+        help="what the cases whose verdict turns on timing simulate with (default: the shipped cpu-2core-1ms-poll)",
+    ),
 ) -> None:
     """Check the simulation's predictions on the real backend: exit 0 when every case agrees, 1 otherwise."""
     from real_backends.nixl_real import require_real
@@ -216,14 +260,20 @@ def validate(
             typer.echo(f"... {name}", err=True)
         elif "cases" in row:  # the catalogue
             fails = [c["name"] for c in row["cases"] if c["outcome"] == "fail"]
-            typer.echo(f"    {len(row['cases']) - len(fails)} of {len(row['cases'])} as profile {row['profile']} "
-                       f"predicts" + (f"; differ: {', '.join(fails)}" if fails else ""), err=True)
+            typer.echo(
+                f"    {len(row['cases']) - len(fails)} of {len(row['cases'])} as profile {row['profile']} "
+                f"predicts" + (f"; differ: {', '.join(fails)}" if fails else ""),
+                err=True,
+            )
         else:
             sim, real = row["sim"], row["real"]
-            typer.echo(f"    {'agrees' if row['agree'] else 'DIFFERS'}: simulated {sim['verdict']}"
-                       f"{'/' + sim['invariant'] if sim['invariant'] else ''}, real {real['verdict']}"
-                       f"{'/' + real['invariant'] if real['invariant'] else ''}"
-                       + ("" if row["agree"] else f" ({'; '.join(row['differences'])})"), err=True)
+            typer.echo(
+                f"    {'agrees' if row['agree'] else 'DIFFERS'}: simulated {sim['verdict']}"
+                f"{'/' + sim['invariant'] if sim['invariant'] else ''}, real {real['verdict']}"
+                f"{'/' + real['invariant'] if real['invariant'] else ''}"
+                + ("" if row["agree"] else f" ({'; '.join(row['differences'])})"),
+                err=True,
+            )
 
     report = run_validation(device, quick, timeout, catalogue, on_case=progress, calibration=calibration)
     if as_json:
@@ -243,9 +293,11 @@ def _validation_table(report) -> None:
     conf = report.get("conformance")
     if conf is not None:
         fails = [c["name"] for c in conf["cases"] if c["outcome"] == "fail"]
-        console.print(f"NIXL catalogue on real {conf['memory'].upper()}: {len(conf['cases']) - len(fails)} of "
-                      f"{len(conf['cases'])} cases as profile {conf['profile']} predicts; matched profile "
-                      f"{conf['matched_profile'] or 'none'}" + (f"; differ: {', '.join(fails)}" if fails else ""))
+        console.print(
+            f"NIXL catalogue on real {conf['memory'].upper()}: {len(conf['cases']) - len(fails)} of "
+            f"{len(conf['cases'])} cases as profile {conf['profile']} predicts; matched profile "
+            f"{conf['matched_profile'] or 'none'}" + (f"; differ: {', '.join(fails)}" if fails else "")
+        )
         for note in conf.get("notes", ()):  # a note quotes a library's stderr: "[host:pid]" is not rich markup
             console.print(f"note: {escape(note)}")
     table = Table(title=f"simulation ({report['profile']}) vs real ({report['device']})")
@@ -258,15 +310,20 @@ def _validation_table(report) -> None:
         lagged = c.get("with_stream_lag")
         if lagged is not None:
             races += lagged["matches_real"]
-            verdict += (f" (with {lagged['fault']} the simulation gives "
-                        f"{_outcome(lagged['sim'])}: " + ("the copy/READ race" if lagged["matches_real"]
-                                                        else "not the race") + ")")
+            verdict += (
+                f" (with {lagged['fault']} the simulation gives "
+                f"{_outcome(lagged['sim'])}: "
+                + ("the copy/READ race" if lagged["matches_real"] else "not the race")
+                + ")"
+            )
         table.add_row(c["case"], _outcome(sim), _outcome(real), verdict)
     console.print(table)
     agree = sum(c["agree"] for c in report["cases"])
     race = f"; the copy/READ race without injected lag explains {races} more" if races else ""
-    console.print(f"{agree} of {len(report['cases'])} scenario cases agree{race} ({report['wall_s']} s); "
-                  "disagreements are explained in docs/validation.md")
+    console.print(
+        f"{agree} of {len(report['cases'])} scenario cases agree{race} ({report['wall_s']} s); "
+        "disagreements are explained in docs/validation.md"
+    )
     for row in report.get("skipped", ()):
         console.print(f"skipped: {row['case']} ({escape(row['reason'])})")
 
@@ -282,10 +339,15 @@ def _outcome(r) -> str:
 def calibrate(
     device: str = typer.Option("cpu", help="cpu (host memory) or cuda (VRAM; two GPUs when there are two)"),
     out: Optional[str] = typer.Option(None, help="write the calibration JSON here (for `epsim run --calibration`)"),
-    compare: bool = typer.Option(True, "--compare/--no-compare",
-                                 help="also time a scale-up in both worlds and report the simulation's error"),
-    quick: bool = typer.Option(False, "--quick", help="three sizes and a few repeats: checks that the path works "
-                                                      "in about half the time; too few samples to trust"),
+    compare: bool = typer.Option(
+        True, "--compare/--no-compare", help="also time a scale-up in both worlds and report the simulation's error"
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="three sizes and a few repeats: checks that the path works "
+        "in about half the time; too few samples to trust",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Measure the real backend's READ and collective timing; report how far the simulation's times are off."""
@@ -309,9 +371,9 @@ def calibrate(
             unwritten = f"--out {out}: could not write the calibration ({exc.strerror or exc}); it is printed above"
     report = {"calibration": calibration.model_dump()}
     if compare:
-        report["comparison"] = cal.compare(calibration, device,
-                                           cases=cal.QUICK_COMPARISONS if quick else cal.COMPARISONS,
-                                           progress=progress)
+        report["comparison"] = cal.compare(
+            calibration, device, cases=cal.QUICK_COMPARISONS if quick else cal.COMPARISONS, progress=progress
+        )
     if as_json:
         typer.echo(json.dumps(report))
     else:
@@ -323,36 +385,46 @@ def calibrate(
 def _print_calibration(calibration, cmp: Optional[dict], written: Optional[str]) -> None:
     """`epsim calibrate`'s readable output: the measurement, the file it went to, and the comparison if one ran."""
     c = calibration
-    typer.echo(f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
-               f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
-               f"us; rank process start {c.process_start_s:.2f} s (two processes)")
+    typer.echo(
+        f"READ on {c.memory}: {c.xfer_latency_s * 1e6:.1f} us + bytes / {c.bandwidth_Bps / 1e9:.2f} GB/s, "
+        f"first READ to a peer +{c.connect_s * 1e3:.2f} ms; gloo all_reduce {c.collective_latency_s * 1e6:.0f} "
+        f"us; rank process start {c.process_start_s:.2f} s (two processes)"
+    )
     for row in c.loaded:
-        typer.echo(f"{row.ranks} rank processes: READ {row.xfer_latency_s * 1e3:.2f} ms + {row.post_s * 1e3:.2f} ms "
-                   f"each + bytes / {row.bandwidth_Bps / 1e9:.2f} GB/s; all_reduce {row.collective_s * 1e3:.2f} ms "
-                   f"(+{row.stall_s * 1e3:.2f} ms in a rebalance, fitted); "
-                   f"gc.collect {row.collect_s * 1e3:.0f} ms; agent {row.first_agent_s * 1e3:.0f} ms (first), "
-                   f"{row.agent_s * 1e3:.0f} ms; add_remote_agent {row.first_remote_setup_s * 1e3:.1f} ms (first), "
-                   f"{row.remote_setup_s * 1e3:.1f} ms")
+        typer.echo(
+            f"{row.ranks} rank processes: READ {row.xfer_latency_s * 1e3:.2f} ms + {row.post_s * 1e3:.2f} ms "
+            f"each + bytes / {row.bandwidth_Bps / 1e9:.2f} GB/s; all_reduce {row.collective_s * 1e3:.2f} ms "
+            f"(+{row.stall_s * 1e3:.2f} ms in a rebalance, fitted); "
+            f"gc.collect {row.collect_s * 1e3:.0f} ms; agent {row.first_agent_s * 1e3:.0f} ms (first), "
+            f"{row.agent_s * 1e3:.0f} ms; add_remote_agent {row.first_remote_setup_s * 1e3:.1f} ms (first), "
+            f"{row.remote_setup_s * 1e3:.1f} ms"
+        )
     if c.quick:
         typer.echo("measured with --quick: too few samples to trust these numbers")
     if c.concurrent_share is not None:
-        typer.echo(f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
-                   f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)")
+        typer.echo(
+            f"4 READs posted together took {c.concurrent_share:.2f}x as long as 4 single READs (1: they "
+            f"share the process's bandwidth, as the simulation models them; 0.25: each had all of it)"
+        )
     if written is not None:
         typer.echo(f"written to {written}; use it with `epsim run SCENARIO --calibration {written}`")
     if cmp is None:
         return
     for run in cmp["runs"]:
         role = "fitted on" if run["fitted"] else "judged"
-        typer.echo(f"{run['scenario']} ({role}): simulated vs measured (error = simulated / measured - 1); "
-                   f"verdicts: simulated {run['sim_verdict']}, real {run['real_verdict']}")
+        typer.echo(
+            f"{run['scenario']} ({role}): simulated vs measured (error = simulated / measured - 1); "
+            f"verdicts: simulated {run['sim_verdict']}, real {run['real_verdict']}"
+        )
         for r in run["spans"]:
             error = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
             typer.echo(f"  {r['what']:20} {r['simulated_s']:9.4f} s  {r['measured_s']:9.4f} s  {error}")
         if not run["complete"]:
-            typer.echo(f"  INCOMPLETE: {len(run['spans'])} of {run['spans_simulated']} simulated and "
-                       f"{run['spans_measured']} measured spans compared"
-                       + (f"; the real run: {run['real_detail']}" if run["real_detail"] else ""))
+            typer.echo(
+                f"  INCOMPLETE: {len(run['spans'])} of {run['spans_simulated']} simulated and "
+                f"{run['spans_measured']} measured spans compared"
+                + (f"; the real run: {run['real_detail']}" if run["real_detail"] else "")
+            )
     typer.echo("median error of each kind over the judged runs (the fitted run's in brackets):")
     for kind, row in cmp["summary"].items():
         mark = "" if row["within_25%"] else "  (outside 25%)"
@@ -371,8 +443,10 @@ def _replaceable_calibration(out: str) -> None:
         try:
             load(p)
         except ScenarioError:
-            raise BadOutput(f"--out {out}: that file exists and is not an epsim calibration; give a new file name, "
-                            f"or an earlier calibration to replace") from None
+            raise BadOutput(
+                f"--out {out}: that file exists and is not an epsim calibration; give a new file name, "
+                f"or an earlier calibration to replace"
+            ) from None
 
 
 @app.command()
@@ -381,8 +455,9 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
     from . import scenario as sc
 
     if not sc.builtin_dir().is_dir():
-        raise ScenarioError(f"no scenario folder at {sc.builtin_dir()} (EPSIM_SCENARIO_DIR names a folder of "
-                            f".yaml files)")
+        raise ScenarioError(
+            f"no scenario folder at {sc.builtin_dir()} (EPSIM_SCENARIO_DIR names a folder of .yaml files)"
+        )
     rows: list[dict[str, Any]] = []
     broken: list[str] = []
     for name in sc.builtin_names():
@@ -391,8 +466,16 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
         except ScenarioError as exc:  # the others are still worth listing; this one is named below
             broken.append(str(exc))
             continue
-        rows.append({"name": name, "ranks": s.ep_sizes(), "steps": s.steps, "layers": s.model.layers,
-                     "experts": s.model.experts, "description": " ".join(s.description.split())})
+        rows.append(
+            {
+                "name": name,
+                "ranks": s.ep_sizes(),
+                "steps": s.steps,
+                "layers": s.model.layers,
+                "experts": s.model.experts,
+                "description": " ".join(s.description.split()),
+            }
+        )
     if as_json:
         typer.echo(json.dumps(rows))
     else:
@@ -402,8 +485,9 @@ def scenarios(as_json: bool = typer.Option(False, "--json", help="print one JSON
         width = shutil.get_terminal_size((120, 24)).columns
         for r in rows:
             sizes = "->".join(str(x) for x in r["ranks"])
-            head = (f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts "
-                    f"{r['steps']:6} steps  ")
+            head = (
+                f"{r['name']:18} EP {sizes:18} {r['layers']:3} layers {r['experts']:4} experts {r['steps']:6} steps  "
+            )
             # Cut at a word, and say so: the whole text is in `epsim scenarios --json` and the scenario's file.
             typer.echo(head + textwrap.shorten(r["description"], max(20, width - len(head)), placeholder=" ..."))
     for line in broken:
@@ -417,16 +501,20 @@ def faults(as_json: bool = typer.Option(False, "--json", help="print one JSON ob
     """List every fault site with its parameters."""
     from . import faults as catalogue
 
-    rows = [{"site": site, "description": desc, "params": sorted(catalogue.params_of(site))}
-            for site, desc in catalogue.SITES.items()]
+    rows = [
+        {"site": site, "description": desc, "params": sorted(catalogue.params_of(site))}
+        for site, desc in catalogue.SITES.items()
+    ]
     if as_json:
         typer.echo(json.dumps(rows))
         return
     for r in rows:
         typer.echo(f"{r['site']:22} {r['description']}  [{', '.join(r['params'])}]")
-    typer.echo("\nEvery site takes rank=N (only rank process N: calls by its agents for nixl.*, what it drops for "
-               "gc.*, that rank for the others), times=K (at most K firings) and at_step=S (from forward step S). "
-               f"The gc.* sites also take what=TEXT: only drops whose name contains it ({', '.join(catalogue.DROPS)}).")
+    typer.echo(
+        "\nEvery site takes rank=N (only rank process N: calls by its agents for nixl.*, what it drops for "
+        "gc.*, that rank for the others), times=K (at most K firings) and at_step=S (from forward step S). "
+        f"The gc.* sites also take what=TEXT: only drops whose name contains it ({', '.join(catalogue.DROPS)})."
+    )
 
 
 @app.command()
@@ -443,8 +531,9 @@ def sweep(
     db: str = typer.Option("epsim-results.db", help="SQLite results database"),
     bundles: Optional[str] = typer.Option(None, help="folder for failure bundles (default: next to --db)"),
     resume: bool = typer.Option(False, "--resume", help="skip runs the database already holds"),
-    timeout: Optional[float] = typer.Option(None, min=0.001, max=MAX_TIMEOUT_S,
-                                            help="kill a run after this many wall seconds"),
+    timeout: Optional[float] = typer.Option(
+        None, min=0.001, max=MAX_TIMEOUT_S, help="kill a run after this many wall seconds"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
@@ -476,26 +565,41 @@ def sweep(
         with resultsdb.ResultsDB(db) as database, SweepProgress(len(specs)) as progress:
             stored_before = database.count()
             try:
-                outcome = sweep_mod.run_sweep(specs, database, eng, resume=resume, bundles_dir=bundles_dir,
-                                              command=command, on_result=progress)
+                outcome = sweep_mod.run_sweep(
+                    specs, database, eng, resume=resume, bundles_dir=bundles_dir, command=command, on_result=progress
+                )
             except KeyboardInterrupt:
                 kept = database.count() - stored_before
-                print(f"epsim: interrupted: {kept} run{'s' if kept != 1 else ''} of this sweep kept in {db}; the "
-                      f"same command with --resume runs the rest", file=sys.stderr)
+                print(
+                    f"epsim: interrupted: {kept} run{'s' if kept != 1 else ''} of this sweep kept in {db}; the "
+                    f"same command with --resume runs the rest",
+                    file=sys.stderr,
+                )
                 _interrupt_said.append(True)
                 raise typer.Exit(143 if terminated else 130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    payload = {"planned": outcome.planned, "skipped": outcome.skipped, "ran": outcome.ran,
-               "verdicts": outcome.verdicts, "new_signatures": outcome.new_signatures, "bundles": outcome.bundles,
-               "wall_s": round(outcome.wall_s, 3), "runs_per_s": round(outcome.ran / max(outcome.wall_s, 1e-9), 2),
-               "db": db, "engine": engine}
+    payload = {
+        "planned": outcome.planned,
+        "skipped": outcome.skipped,
+        "ran": outcome.ran,
+        "verdicts": outcome.verdicts,
+        "new_signatures": outcome.new_signatures,
+        "bundles": outcome.bundles,
+        "wall_s": round(outcome.wall_s, 3),
+        "runs_per_s": round(outcome.ran / max(outcome.wall_s, 1e-9), 2),
+        "db": db,
+        "engine": engine,
+    }
     if as_json:
         typer.echo(json.dumps(payload))
         return
     counts = ", ".join(f"{v} {k}" for k, v in sorted(outcome.verdicts.items())) or "nothing to run"
-    typer.echo(f"{outcome.ran} runs in {outcome.wall_s:.1f} s ({payload['runs_per_s']} runs/s) on {engine}"
-               + (f", {outcome.skipped} already stored" if outcome.skipped else "") + f": {counts}")
+    typer.echo(
+        f"{outcome.ran} runs in {outcome.wall_s:.1f} s ({payload['runs_per_s']} runs/s) on {engine}"
+        + (f", {outcome.skipped} already stored" if outcome.skipped else "")
+        + f": {counts}"
+    )
     for sig, path in zip(outcome.new_signatures, outcome.bundles):
         typer.echo(f"new failure {sig}: {prog()} replay {shlex.quote(path)}")
     typer.echo(f"results in {db}; summary: {prog()} report {shlex.quote(db)}")
@@ -514,8 +618,10 @@ def replay(
         if Path(out).resolve() == Path(bundle).resolve():  # the bundle's own history would give way to the replay's
             raise BadOutput(f"--out {out}: that is the bundle being replayed; give another directory")
         if (Path(out) / "failure.json").is_file():
-            raise BadOutput(f"--out {out}: that is a failure bundle, whose tape and history the replay would "
-                            f"replace; give another directory")
+            raise BadOutput(
+                f"--out {out}: that is a failure bundle, whose tape and history the replay would "
+                f"replace; give another directory"
+            )
         run_dir(out, "--out")
     unwritten: OutputFailed | None = None
     try:
@@ -524,15 +630,24 @@ def replay(
         rep, unwritten = bundle_mod.Replay(bundle_mod.load(bundle), exc.result), exc
     exp, r = rep.bundle.expected, rep.result
     tape = rep.tape_divergence()
-    payload = {"bundle": bundle, "reproduced": rep.reproduced, "signature": r.signature,
-               "expected_signature": exp["signature"], "trace_hash": r.trace_hash,
-               "expected_trace_hash": exp["trace_hash"], "verdict": r.verdict, "detail": r.detail,
-               "tape_divergence": tape}
+    payload = {
+        "bundle": bundle,
+        "reproduced": rep.reproduced,
+        "signature": r.signature,
+        "expected_signature": exp["signature"],
+        "trace_hash": r.trace_hash,
+        "expected_trace_hash": exp["trace_hash"],
+        "verdict": r.verdict,
+        "detail": r.detail,
+        "tape_divergence": tape,
+    }
     if as_json:
         typer.echo(json.dumps(payload))
     else:
-        typer.echo(f"{'reproduced' if rep.reproduced else 'NOT reproduced'}: {r.signature} "
-                   f"(expected {exp['signature']}), trace {r.trace_hash} (expected {exp['trace_hash']})")
+        typer.echo(
+            f"{'reproduced' if rep.reproduced else 'NOT reproduced'}: {r.signature} "
+            f"(expected {exp['signature']}), trace {r.trace_hash} (expected {exp['trace_hash']})"
+        )
         if r.detail:
             typer.echo(f"detail: {r.detail}")
         if tape:
@@ -548,8 +663,11 @@ def shrink(
     bundle: str = typer.Argument(..., help="a failure bundle folder"),
     out: Optional[str] = typer.Option(None, help="where the shrunk bundle goes (default: BUNDLE-shrunk)"),
     max_runs: int = typer.Option(200, min=1, help="give up after this many candidate runs"),
-    corpus: Optional[str] = typer.Option(None, help="also save the shrunk bundle into this regression corpus "
-                                                    "(e.g. tests/corpus, which the test suite replays)"),
+    corpus: Optional[str] = typer.Option(
+        None,
+        help="also save the shrunk bundle into this regression corpus "
+        "(e.g. tests/corpus, which the test suite replays)",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Minimise a failure bundle (faults, elastic events, ranks, layers, steps) keeping its failure signature."""
@@ -563,14 +681,20 @@ def shrink(
 
     bundle_mod.load(bundle)  # a folder that is not a bundle costs one line here, not after the --out checks
     # Checked, not made: the shrunk bundle's folder appears only when there is a bundle to put in it.
-    target = bundle_dir(out if out is not None else shrink_mod.default_target(bundle),
-                        "--out" if out is not None else "the default --out", source=bundle, make=False)
+    target = bundle_dir(
+        out if out is not None else shrink_mod.default_target(bundle),
+        "--out" if out is not None else "the default --out",
+        source=bundle,
+        make=False,
+    )
     if corpus is not None:
         writable_dir(corpus, "--corpus", files=(), make=False)
         src = Path(bundle).resolve()
         if src == Path(corpus).resolve() or src in Path(corpus).resolve().parents:
-            raise BadOutput(f"--corpus {corpus}: that is inside the bundle being shrunk; give the corpus folder "
-                            f"that holds bundles (such as {src.parent})")
+            raise BadOutput(
+                f"--corpus {corpus}: that is inside the bundle being shrunk; give the corpus folder "
+                f"that holds bundles (such as {src.parent})"
+            )
         # Re-shrinking a corpus bundle into its own corpus replaces it, once the shrink is done: no source check.
         bundle_dir(Path(corpus) / target.name, "--corpus", make=False)
     try:
@@ -582,8 +706,15 @@ def shrink(
     saved = str(bundle_mod.save_to_corpus(res.bundle, corpus)) if corpus else None
     before, after = res.original.size(), res.final.size()
     names = ("faults", "elastic events", "peak ranks", "layers", "steps")
-    payload = {"bundle": str(res.bundle), "runs": res.runs, "removed": res.removed, "corpus": saved,
-               "before": dict(zip(names, before)), "after": dict(zip(names, after)), "faults": res.final.faults}
+    payload = {
+        "bundle": str(res.bundle),
+        "runs": res.runs,
+        "removed": res.removed,
+        "corpus": saved,
+        "before": dict(zip(names, before)),
+        "after": dict(zip(names, after)),
+        "faults": res.final.faults,
+    }
     if as_json:
         typer.echo(json.dumps(payload))
         return
@@ -611,8 +742,11 @@ def report(
     with resultsdb.open_existing(db) as database:  # first: a path that is no database is one line
         folder = Path(plots) if plots is not None else Path(db).with_name(Path(db).stem + "-report")
         if not no_plots:  # before the summary's work: a bad folder is one line
-            writable_dir(plots if plots is not None else folder, "--plots" if plots is not None else
-                         "the default --plots", files=report_mod.PLOTS)
+            writable_dir(
+                plots if plots is not None else folder,
+                "--plots" if plots is not None else "the default --plots",
+                files=report_mod.PLOTS,
+            )
         summary = report_mod.summarise(database)
     written: list[str] = []
     unwritten: BadOutput | None = None

@@ -15,9 +15,22 @@ from .result import Result
 REAL_TIMEOUT_S = 120.0  # seconds a real rank may take to answer one command, unless --timeout says otherwise
 
 
-def run_command(name: str, *, seed, strategy, profile, faults, out, check_determinism, overrides=(),
-                backend: str = "sim", device: str = "cpu", timeout_s: float | None = None,
-                calibration: str | None = None, ranks_per_host: int | None = None) -> tuple[Result, str | None]:
+def run_command(
+    name: str,
+    *,
+    seed,
+    strategy,
+    profile,
+    faults,
+    out,
+    check_determinism,
+    overrides=(),
+    backend: str = "sim",
+    device: str = "cpu",
+    timeout_s: float | None = None,
+    calibration: str | None = None,
+    ranks_per_host: int | None = None,
+) -> tuple[Result, str | None]:
     from .progress import RunProgress
 
     sc = scenario_mod.load(name)
@@ -39,15 +52,25 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
         # Slot 0 of a torchrun job runs the engine; the other slots never get here (`epsim run` serves them).
         launcher = TorchrunLauncher(ranks_per_host) if under_torchrun() else None
         with RunProgress(sc.name, sc.steps) as progress:
-            return run_real(sc, seed=seed, strategy=strategy, faults=list(faults), device=device,
-                            timeout_s=REAL_TIMEOUT_S if timeout_s is None else timeout_s, out=out,
-                            on_progress=progress, launcher=launcher,
-                            ranks_per_host=ranks_per_host), None
+            return run_real(
+                sc,
+                seed=seed,
+                strategy=strategy,
+                faults=list(faults),
+                device=device,
+                timeout_s=REAL_TIMEOUT_S if timeout_s is None else timeout_s,
+                out=out,
+                on_progress=progress,
+                launcher=launcher,
+                ranks_per_host=ranks_per_host,
+            ), None
     if backend != "sim":
         raise ScenarioError(f"--backend {backend!r}: use sim or real")
     if timeout_s is not None:
-        raise ScenarioError("--timeout bounds a real rank's answer; a simulation's collectives time out in "
-                            "simulated time (collective_timeout_s)")
+        raise ScenarioError(
+            "--timeout bounds a real rank's answer; a simulation's collectives time out in "
+            "simulated time (collective_timeout_s)"
+        )
     if ranks_per_host is not None:
         raise ScenarioError("--ranks-per-host places real rank processes; a simulation has no hosts")
     if device != "cpu":
@@ -58,15 +81,27 @@ def run_command(name: str, *, seed, strategy, profile, faults, out, check_determ
 
         timing = load_calibration(calibration)
         if timing.quick:  # usable (the run goes on), but the user should know what the times rest on
-            print(f"epsim: warning: calibration {calibration} was measured with `epsim calibrate --quick` (three "
-                  f"sizes, a few repeats): a check that the path works, not times to trust", file=sys.stderr)
+            print(
+                f"epsim: warning: calibration {calibration} was measured with `epsim calibrate --quick` (three "
+                f"sizes, a few repeats): a check that the path works, not times to trust",
+                file=sys.stderr,
+            )
     from .run import run_scenario  # the simulation (torch with it), once the arguments are known to be good
 
     with RunProgress(sc.name, sc.steps) as progress:
         # tidy=False: `epsim run` exits right after the verdict (os._exit), so the simulated world is never
         # finalized; collecting it first would add a second at DeepSeek scale.
-        result = run_scenario(sc, seed=seed, strategy=strategy, profile=profile, faults=list(faults), out=out,
-                              on_progress=progress, calibration=timing, tidy=False)
+        result = run_scenario(
+            sc,
+            seed=seed,
+            strategy=strategy,
+            profile=profile,
+            faults=list(faults),
+            out=out,
+            on_progress=progress,
+            calibration=timing,
+            tidy=False,
+        )
     again = None
     if check_determinism:
         again = rerun_hash(name, result, faults, overrides, calibration)
@@ -96,8 +131,20 @@ def parse_overrides(items) -> dict:
 
 def rerun_hash(name: str, result: Result, faults, overrides=(), calibration: str | None = None) -> str:
     """The trace hash of the same run in a fresh interpreter with a different PYTHONHASHSEED."""
-    cmd = [sys.executable, "-m", "sim.cli", "run", name, "--seed", str(result.seed), "--strategy", result.strategy,
-           "--profile", result.profile, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sim.cli",
+        "run",
+        name,
+        "--seed",
+        str(result.seed),
+        "--strategy",
+        result.strategy,
+        "--profile",
+        result.profile,
+        "--json",
+    ]
     for f in faults:
         cmd += ["--fault", f]
     for item in overrides:
@@ -115,11 +162,13 @@ def rerun_hash(name: str, result: Result, faults, overrides=(), calibration: str
 
 
 def summary(r: Result, again: str | None = None) -> str:
-    lines = [f"{r.scenario} · {r.strategy} · {r.profile} · seed {r.seed}",
-             f"verdict: {r.verdict}" + (f" ({r.invariant}) {r.detail}" if r.verdict != "pass" else ""),
-             f"trace {r.trace_hash}: {r.events} events, {r.sim_time_s:.1f} s simulated in {r.wall_s:.2f} s"
-             if not r.profile.startswith("real-") else
-             f"{r.events} events in {r.wall_s:.2f} s on real rank processes (wall clock: no trace hash to compare)"]
+    lines = [
+        f"{r.scenario} · {r.strategy} · {r.profile} · seed {r.seed}",
+        f"verdict: {r.verdict}" + (f" ({r.invariant}) {r.detail}" if r.verdict != "pass" else ""),
+        f"trace {r.trace_hash}: {r.events} events, {r.sim_time_s:.1f} s simulated in {r.wall_s:.2f} s"
+        if not r.profile.startswith("real-")
+        else f"{r.events} events in {r.wall_s:.2f} s on real rank processes (wall clock: no trace hash to compare)",
+    ]
     if r.verdict == "crash" and r.crash:
         from .crash import readable
 
@@ -128,17 +177,23 @@ def summary(r: Result, again: str | None = None) -> str:
         fired = ", ".join(f"{k} fired {v}x" for k, v in r.faults_fired.items())
         lines.append(f"faults: {fired}")
     m = r.metrics
-    lines.append(f"agents created {m.get('agents_created', 0)}, max live per process "
-                 f"{m.get('max_live_agents_per_process', 0)}, duplicate registrations "
-                 f"{m.get('duplicate_registrations', 0)}, transfers {m.get('transfers', 0)}")
+    lines.append(
+        f"agents created {m.get('agents_created', 0)}, max live per process "
+        f"{m.get('max_live_agents_per_process', 0)}, duplicate registrations "
+        f"{m.get('duplicate_registrations', 0)}, transfers {m.get('transfers', 0)}"
+    )
     if any(m.get("nixl_progress_delay_us", ())):
-        lines.append(f"NIXL progress threads: poll timeout {', '.join(map(str, m['nixl_progress_delay_us']))} us "
-                     f"(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)")
+        lines.append(
+            f"NIXL progress threads: poll timeout {', '.join(map(str, m['nixl_progress_delay_us']))} us "
+            f"(EPSIM_NIXL_PROGRESS_DELAY_US; vLLM's own configuration busy-polls)"
+        )
     if "clock_bound_s" in m:
         lines.append(_clock_line(m))
     if again is not None:
-        lines.append(f"determinism: rerun in a fresh process gave {again} "
-                     + ("(same)" if again == r.trace_hash else "(DIFFERENT)"))
+        lines.append(
+            f"determinism: rerun in a fresh process gave {again} "
+            + ("(same)" if again == r.trace_hash else "(DIFFERENT)")
+        )
     return "\n".join(lines)
 
 
@@ -152,6 +207,7 @@ def _clock_line(m: dict) -> str:
     changed = m["clock_sensitive"]
     if not changed:
         return f"{line}; the verdict holds under each of {of} that reorder the events"
-    shown = "; with ".join(changed[:3]) + (f"; and {len(changed) - 3} more (metrics.clock_sensitive)"
-                                          if len(changed) > 3 else "")
+    shown = "; with ".join(changed[:3]) + (
+        f"; and {len(changed) - 3} more (metrics.clock_sensitive)" if len(changed) > 3 else ""
+    )
     return f"{line}; the verdict DEPENDS on that placement ({len(changed)} of {of} change it): with {shown}"

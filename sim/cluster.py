@@ -39,8 +39,15 @@ PREPARE_TIE_S = 1e-9  # far above float rounding at a day's simulated seconds, f
 class NominalTimeModel(TimeModel):
     """Transfers take the time of the scenario's *nominal* expert size, not of the tiny rows the simulation moves."""
 
-    def __init__(self, row_bytes: int, nominal_row_bytes: float, bandwidth_Bps: float = 40e9,
-                 latency_s: float = 10e-6, connect_s: float = 0.0, **host_costs: float) -> None:
+    def __init__(
+        self,
+        row_bytes: int,
+        nominal_row_bytes: float,
+        bandwidth_Bps: float = 40e9,
+        latency_s: float = 10e-6,
+        connect_s: float = 0.0,
+        **host_costs: float,
+    ) -> None:
         super().__init__(xfer_latency_s=latency_s, bandwidth_Bps=bandwidth_Bps, connect_s=connect_s, **host_costs)
         object.__setattr__(self, "_scale", nominal_row_bytes / max(1, row_bytes))
 
@@ -51,10 +58,18 @@ class NominalTimeModel(TimeModel):
         return nbytes * self._scale / self.bandwidth_Bps
 
 
-
 class Cluster:
-    def __init__(self, scenario, *, seed: int, strategy: str, profile: str,
-                 faults: Sequence[fault_catalogue.Armed] = (), on_progress=None, calibration=None) -> None:
+    def __init__(
+        self,
+        scenario,
+        *,
+        seed: int,
+        strategy: str,
+        profile: str,
+        faults: Sequence[fault_catalogue.Armed] = (),
+        on_progress=None,
+        calibration=None,
+    ) -> None:
         self.scenario, self.seed, self.strategy, self.profile = scenario, seed, strategy, profile
         self._modules_before = {name for name in sys.modules if plugins.FRESH_MARK in name}
         with fakes.installed():  # a package that imports nixl or deep_ep at top level loads without the real ones
@@ -67,8 +82,12 @@ class Cluster:
         self._costs: dict[str, float] = {}
         self._costs_for = -1  # the number of live rank processes self._costs are for
         self._command_width = 0  # how many ranks the engine's last command went to (collections run that wide)
-        self.fabric = FakeFabric(profile, clock=self.kernel.now, whoami=self._whoami,
-                                 time_model=NominalTimeModel(row_bytes, self.nominal_row_bytes))
+        self.fabric = FakeFabric(
+            profile,
+            clock=self.kernel.now,
+            whoami=self._whoami,
+            time_model=NominalTimeModel(row_bytes, self.nominal_row_bytes),
+        )
         self.fabric.poll_wait = self._poll_wait
         if calibration is not None:
             self.fabric.spend = self.spend
@@ -102,10 +121,18 @@ class Cluster:
         self._costs_for, c = live, self.calibration.costs(max(live, 1))
         self._costs = c
         self.fabric.time_model = NominalTimeModel(
-            self._row_bytes, self.nominal_row_bytes, bandwidth_Bps=1.0 / c["seconds_per_byte"],
-            latency_s=c["xfer_latency_s"], connect_s=c["connect_s"], post_s=c["post_s"],
-            first_agent_s=c["first_agent_s"], agent_s=c["agent_s"], register_s=c["register_s"],
-            first_remote_setup_s=c["first_remote_setup_s"], remote_setup_s=c["remote_setup_s"])
+            self._row_bytes,
+            self.nominal_row_bytes,
+            bandwidth_Bps=1.0 / c["seconds_per_byte"],
+            latency_s=c["xfer_latency_s"],
+            connect_s=c["connect_s"],
+            post_s=c["post_s"],
+            first_agent_s=c["first_agent_s"],
+            agent_s=c["agent_s"],
+            register_s=c["register_s"],
+            first_remote_setup_s=c["first_remote_setup_s"],
+            remote_setup_s=c["remote_setup_s"],
+        )
 
     def cost(self, name: str) -> float:
         """A calibrated cost (sim/calibration.py's LOAD_COSTS) at the live rank processes; 0 without a calibration."""
@@ -163,8 +190,9 @@ class Cluster:
         """Fault ``peer.restart``: every live agent of ``pid`` restarts in place under its name (on pid's thread)."""
         from fakes.nixl._agent import restart_in_place
 
-        cores = sorted((c for c in list(self.fabric.conns.values()) if c.pid == pid and not c.destroyed),
-                       key=lambda c: c.uid)
+        cores = sorted(
+            (c for c in list(self.fabric.conns.values()) if c.pid == pid and not c.destroyed), key=lambda c: c.uid
+        )
         return [restart_in_place(c).name for c in cores]
 
     # -- shared pure computations (every rank would compute the same) -------------------------------------------
@@ -310,8 +338,12 @@ class Cluster:
             plugins.forget_instances(self._modules_before)
 
     def _run(self) -> None:
-        with fakes.installed(self.fabric), torch_dist.installed(), \
-                device.installed(self.streams, self.kernel, rocm=self.rocm()), self._deep_ep():
+        with (
+            fakes.installed(self.fabric),
+            torch_dist.installed(),
+            device.installed(self.streams, self.kernel, rocm=self.rocm()),
+            self._deep_ep(),
+        ):
             self.kernel.spawn("engine", self.timeline.engine, pid=ENGINE_PID)
             self.kernel.run()
         # Interpreter shutdown: what survived (gc.never) is finalized with the fake modules torn down.
@@ -324,23 +356,34 @@ class Cluster:
             # A collective that times out inside a finalizer (a DeepEP buffer's destroy run by the collector) is
             # a liveness failure like any other; other finalizer errors stay in the history only.
             if isinstance(exc, torch_dist.CollectiveTimeout):
-                index = next((i for i, (_, kind, f) in enumerate(self.kernel.history.records)
-                              if kind == "finalizer.error" and f.get("where") == where), len(self.kernel.history))
+                index = next(
+                    (
+                        i
+                        for i, (_, kind, f) in enumerate(self.kernel.history.records)
+                        if kind == "finalizer.error" and f.get("where") == where
+                    ),
+                    len(self.kernel.history),
+                )
                 self.oracles.crashed(f"finalizer {where}", -1, exc, index)
         records = self.kernel.history.records
         for index in records.positions("deep_ep.leak"):  # the fake's destructor records each one as DeepEP warns
             t, _, f = records[index]
             self.oracles.buffer_leaked(f["pid"], f["team"], index, t)
         for th, exc in self.kernel.crashes:
-            index = next((i for i, (_, kind, f) in enumerate(self.kernel.history.records)
-                          if kind == "thread.crash" and f.get("thread") == th.name), len(self.kernel.history))
+            index = next(
+                (
+                    i
+                    for i, (_, kind, f) in enumerate(self.kernel.history.records)
+                    if kind == "thread.crash" and f.get("thread") == th.name
+                ),
+                len(self.kernel.history),
+            )
             self.oracles.crashed(th.name, th.pid, exc, index)
         engine = self.kernel.threads[0] if self.kernel.threads else None
         if not self.kernel.crashes and engine is not None and engine.state != "done" and not self.oracles.problems:
             self.oracles.stuck(f"the engine did not finish: {engine!r}")
         if not self.oracles.problems:
             self.oracles.after_shutdown()
-
 
     def unjudged(self) -> str | None:
         """Why the run cannot be judged, if it cannot: experts moved between ranks, their weights came out right,
@@ -351,8 +394,10 @@ class Cluster:
             return None
         if self.oracles.problems:  # not a pass: the verdict names what went wrong (a crash inside the fake, say)
             return None
-        return (f"the code under test received {self.recvs_planned} experts without one transfer through epsim's "
-                f"fake NIXL (did a module of it bind a real NIXL before the fakes were installed?); no verdict")
+        return (
+            f"the code under test received {self.recvs_planned} experts without one transfer through epsim's "
+            f"fake NIXL (did a module of it bind a real NIXL before the fakes were installed?); no verdict"
+        )
 
 
 def _frozen(mapping) -> Any:

@@ -52,9 +52,15 @@ def validate(backend: str, profile: str | None, memory: str) -> None:
         raise UnknownName(f"memory {memory!r} not known; use one of: {', '.join(MEMORIES)}")
 
 
-def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
-        probe: tuple[str, ...] = PROBE, case_timeout_s: float = CASE_TIMEOUT_S,
-        start_timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+def run(
+    backend: str,
+    profile: str | None,
+    memory: str,
+    timeout_s: float = 1800,
+    probe: tuple[str, ...] = PROBE,
+    case_timeout_s: float = CASE_TIMEOUT_S,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> dict[str, Any]:
     """The catalogue's report (``real_backends.probe.summarise``) with ``notes``: one line per child that died.
 
     ``probe`` is the child's command line before its arguments (a test gives one that dies on purpose); a child
@@ -70,27 +76,33 @@ def run(backend: str, profile: str | None, memory: str, timeout_s: float = 1800,
         left = [name for name in CASES if name not in results]
         # a case that killed its child once runs alone, so a second death is that case's and nothing else's
         batch = left[:1] if left[0] in died_once else left
-        child = _play(probe, backend, chosen, memory, batch, deadline, timeout_s, len(results), start_timeout_s,
-                      case_timeout_s)
+        child = _play(
+            probe, backend, chosen, memory, batch, deadline, timeout_s, len(results), start_timeout_s, case_timeout_s
+        )
         results.update(child.finished)
         if child.death is None:
             continue
         if child.started is not None:
             victim, where = child.started, "in it"
         elif not results and not died_once:  # nothing observed at all: the backend cannot run the catalogue here
-            raise BackendUnavailable(f"the conformance run on {backend} NIXL produced no result: "
-                                     f"{child.death}{child.said}")
+            raise BackendUnavailable(
+                f"the conformance run on {backend} NIXL produced no result: {child.death}{child.said}"
+            )
         else:  # before its first case, or between two: counted against the next one, which was never started
             victim = next(name for name in batch if name not in child.finished)
             where = "before it started" + (f" (after {child.last})" if child.last else "")
         if victim in died_once:
-            notes.append(f"{victim}: its process died again {where}, run alone ({child.death}{child.said}); "
-                         "that is its observation")
+            notes.append(
+                f"{victim}: its process died again {where}, run alone ({child.death}{child.said}); "
+                "that is its observation"
+            )
             results[victim] = judge({"name": victim, "observed": child.death}, chosen, hardware=backend == "real")
         else:
             died_once.add(victim)
-            notes.append(f"{victim}: the catalogue's process died {where} ({child.death}{child.said}); it runs "
-                         "again alone, and the cases after it in a fresh process")
+            notes.append(
+                f"{victim}: the catalogue's process died {where} ({child.death}{child.said}); it runs "
+                "again alone, and the cases after it in a fresh process"
+            )
     report = summarise([results[name] for name in CASES], backend, profile, memory.upper())
     report["notes"] = notes
     return report
@@ -109,8 +121,18 @@ class _Ended:
     said: str = ""
 
 
-def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names: list[str], deadline: float,
-          timeout_s: float, observed: int, start_timeout_s: float, case_timeout_s: float) -> _Ended:
+def _play(
+    probe: tuple[str, ...],
+    backend: str,
+    profile: str,
+    memory: str,
+    names: list[str],
+    deadline: float,
+    timeout_s: float,
+    observed: int,
+    start_timeout_s: float,
+    case_timeout_s: float,
+) -> _Ended:
     """Run ``names`` in one child, reading its cases as it reports them.  A child silent for too long (for
     ``start_timeout_s`` before its first line, then ``case_timeout_s`` between two) is killed and reads as a death,
     like a crash."""
@@ -119,12 +141,13 @@ def _play(probe: tuple[str, ...], backend: str, profile: str, memory: str, names
         cmd += ["--case", name]
     if deadline - time.monotonic() <= 0:
         raise _out_of_time(backend, timeout_s, observed)
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=die_with_parent)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     lines: queue.Queue[str | None] = queue.Queue()
     last_words: deque[str] = deque(maxlen=5)  # its stderr's last lines (the rest is a library's chatter)
-    readers = [threading.Thread(target=_drain, args=(child.stdout, lines.put, True), daemon=True),
-               threading.Thread(target=_drain, args=(child.stderr, last_words.append), daemon=True)]
+    readers = [
+        threading.Thread(target=_drain, args=(child.stdout, lines.put, True), daemon=True),
+        threading.Thread(target=_drain, args=(child.stderr, last_words.append), daemon=True),
+    ]
     for reader in readers:
         reader.start()
     ended, hung = _Ended(), False
@@ -183,8 +206,10 @@ def _drain(stream, put, eof: bool = False) -> None:
 
 
 def _out_of_time(backend: str, timeout_s: float, observed: int) -> BackendUnavailable:
-    return BackendUnavailable(f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s "
-                              f"({observed} of {len(CASES)} cases observed)")
+    return BackendUnavailable(
+        f"the conformance run on {backend} NIXL did not finish within {timeout_s:g} s "
+        f"({observed} of {len(CASES)} cases observed)"
+    )
 
 
 def _ours(line: str) -> dict[str, Any] | None:

@@ -69,14 +69,14 @@ def _place(filename: str) -> tuple[str, str]:
     path = os.path.realpath(filename)
     for d in _SITE:
         if path.startswith(d):
-            rel = path[len(d):]
+            rel = path[len(d) :]
             top = rel.split(os.sep, 1)[0].removesuffix(".py").split(".", 1)[0]
             kind = "harness" if top in _HARNESS_PACKAGES else "code" if top in _UNDER_TEST_PACKAGES else "library"
             return kind, rel
     shown = _shown(path)
     for d in _STDLIB:
         if path.startswith(d) and "site-packages" not in path:
-            return ("harness" if path[len(d):] in _HARNESS_STDLIB else "library"), shown
+            return ("harness" if path[len(d) :] in _HARNESS_STDLIB else "library"), shown
     if path in _HARNESS_FILES:
         return "harness", shown
     if path.startswith(_UNDER_TEST_DIRS):
@@ -84,7 +84,7 @@ def _place(filename: str) -> tuple[str, str]:
     if path.startswith(_HARNESS_DIRS):
         return "harness", shown
     if shown == path and _VLLM in path:  # vLLM's sources in a tree or epsim's cache: from the package on
-        shown = path[path.rindex(_VLLM) + 1:]
+        shown = path[path.rindex(_VLLM) + 1 :]
     return "code", shown
 
 
@@ -94,7 +94,7 @@ def _shown(path: str) -> str:
         cwd = os.path.realpath(os.getcwd()) + os.sep
     except OSError:  # the working directory was removed
         return path
-    return path[len(cwd):] if path.startswith(cwd) else path
+    return path[len(cwd) :] if path.startswith(cwd) else path
 
 
 def _message(exc: BaseException) -> str:
@@ -103,7 +103,7 @@ def _message(exc: BaseException) -> str:
     except Exception as err:  # noqa: BLE001 - a __str__ that raises still leaves its type to report
         text = f"<str() failed: {type(err).__name__}>"
     text = no_addresses(text)
-    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 1] + "…"
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
 
 
 def chain(exc: BaseException) -> list[tuple[BaseException, str | None]]:
@@ -153,9 +153,14 @@ def _frame(frame, lineno: int) -> dict[str, Any]:
     kind, shown = _place(code.co_filename)
     line = linecache.getline(code.co_filename, lineno).strip()
     if len(line) > MAX_CODE:
-        line = line[:MAX_CODE - 1] + "…"
-    return {"file": shown, "line": lineno, "function": getattr(code, "co_qualname", code.co_name), "code": line,
-            "kind": kind}
+        line = line[: MAX_CODE - 1] + "…"
+    return {
+        "file": shown,
+        "line": lineno,
+        "function": getattr(code, "co_qualname", code.co_name),
+        "code": line,
+        "kind": kind,
+    }
 
 
 def describe(exc: BaseException, thread: str | None = None, pid: int | None = None) -> dict[str, Any]:
@@ -167,9 +172,14 @@ def describe(exc: BaseException, thread: str | None = None, pid: int | None = No
     origin = next((f["function"] for f in reversed(stack) if f["kind"] == "code"), None)
     harness = len(stack) - len(shown)
     outer = max(0, len(shown) - MAX_FRAMES)
-    return {"thread": thread, "pid": pid,
-            "chain": [{"type": type(e).__name__, "message": _message(e), "via": via} for e, via in links],
-            "frames": shown[outer:], "frames_omitted": {"harness": harness, "outer": outer}, "origin": origin}
+    return {
+        "thread": thread,
+        "pid": pid,
+        "chain": [{"type": type(e).__name__, "message": _message(e), "via": via} for e, via in links],
+        "frames": shown[outer:],
+        "frames_omitted": {"harness": harness, "outer": outer},
+        "origin": origin,
+    }
 
 
 def line(crash: dict[str, Any]) -> str:
@@ -203,8 +213,11 @@ def readable(crash: dict[str, Any], frames: int = 5) -> list[str]:
             out.append(f"  {how}{link['type']}: {one_line(link['message'])}")
     shown = crash["frames"][-frames:]
     if shown:
-        out.append("raised at (innermost last; --json has the rest):" if len(crash["frames"]) > len(shown)
-                   else "raised at (innermost last):")
+        out.append(
+            "raised at (innermost last; --json has the rest):"
+            if len(crash["frames"]) > len(shown)
+            else "raised at (innermost last):"
+        )
         for f in shown:
             mark = "" if f["kind"] == "code" else f" [{f['kind']}]"
             out.append(f"  {f['file']}:{f['line']} in {f['function']}{mark}" + (f": {f['code']}" if f["code"] else ""))

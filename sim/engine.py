@@ -176,8 +176,9 @@ class Engine:
             # The load window covers exactly the last `window` steps at a periodic rebalance and the last one, as
             # vLLM's per-step ring buffer does: serving splits its chunk where that window starts.  An elastic
             # reshuffle's window starts at its event's step minus the window and also holds the PREPARE's steps.
-            self._window_reads = [next_rebalance, sc.steps] + [e.at_step for e in events[:1]
-                                                               if e.kind in ("scale_up", "scale_down")]
+            self._window_reads = [next_rebalance, sc.steps] + [
+                e.at_step for e in events[:1] if e.kind in ("scale_up", "scale_down")
+            ]
             if self.step >= next_rebalance:
                 # Async EPLB moves the layers while serving goes on (vLLM's EplbState.step, one layer per forward
                 # step); a rebalance due while one is in flight waits for it (0.33.0) or drains it (pr-53947).
@@ -212,9 +213,14 @@ class Engine:
             probs = self._probs(epoch)
             loads = self._route(chunk, probs)
             self.world.record("engine.serve", step=self.step, steps=chunk)
-            if not self.world.join({p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
-                               for i, p in enumerate(self.members)}, f"serving steps {self.step}..{self.step + chunk}",
-                              busy_s=chunk * sc.serving.step_time_s):
+            if not self.world.join(
+                {
+                    p: self.workers[p].post(Command("serve", {"steps": chunk, "loads": loads[i]}))
+                    for i, p in enumerate(self.members)
+                },
+                f"serving steps {self.step}..{self.step + chunk}",
+                busy_s=chunk * sc.serving.step_time_s,
+            ):
                 return False
             self.step += chunk
             steps -= chunk
@@ -245,7 +251,7 @@ class Engine:
             m, skew = self.scenario.model, self.scenario.serving.skew
             rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, f"routing-epoch-{epoch}")))
             ranks = np.arange(1, m.experts + 1, dtype=np.float64)
-            base = routed_shares(ranks ** -skew, self.scenario.serving.top_k)
+            base = routed_shares(ranks**-skew, self.scenario.serving.top_k)
             self._route_probs = np.stack([rng.permutation(base) for _ in range(m.layers)])
             self._route_epoch = epoch
         return self._route_probs
@@ -256,8 +262,14 @@ class Engine:
             total += self.workers[p].load.total()
         return total
 
-    def rebalance(self, new_size: int | None = None, mapping: dict[int, int] | None = None,
-                  drain: bool = True, asynchronous: bool = True, label: str = "rebalance") -> bool:
+    def rebalance(
+        self,
+        new_size: int | None = None,
+        mapping: dict[int, int] | None = None,
+        drain: bool = True,
+        asynchronous: bool = True,
+        label: str = "rebalance",
+    ) -> bool:
         """EPLB rearrange over the current members (a scale-down passes the smaller size and the rank mapping).
         With async EPLB on, the layers move on each rank's async thread unless ``asynchronous`` is False (vLLM
         forces a scale-down's reshuffle synchronous); ``drain``: wait for every rank's layers before going on, as
@@ -280,12 +292,23 @@ class Engine:
         use_async = asynchronous and self.scenario.eplb.use_async
         # vLLM 0.33.0 on ROCm: a synchronous periodic rebalance that gains under 5% moves nothing (the load is still
         # all-reduced first); the communicator is not called.
-        skip = (self.world.rocm() and not use_async and mapping is None and new is not old
-                and bool((old.physical_to_logical >= 0).all()) and not policy.gains_enough(load, old, new))
+        skip = (
+            self.world.rocm()
+            and not use_async
+            and mapping is None
+            and new is not old
+            and bool((old.physical_to_logical >= 0).all())
+            and not policy.gains_enough(load, old, new)
+        )
         if skip:
             new = old
-        self.world.record("engine.rebalance", step=self.step, ep_size=size, placement=new.digest(),
-                    **({"skipped": True} if skip else {}))
+        self.world.record(
+            "engine.rebalance",
+            step=self.step,
+            ep_size=size,
+            placement=new.digest(),
+            **({"skipped": True} if skip else {}),
+        )
         start = self.world.now()
         ok = self._all("rearrange", old=old, new=new, mapping=mapping, use_async=use_async, skip=skip)
         if ok and drain and use_async:
@@ -332,9 +355,16 @@ class Engine:
         # worker faults (storage.move, peer.restart) are decided for that step in both worlds (the simulated
         # PREPARE builds then; the real parent decides them now, and its ranks build at once).
         least = self.step + int(np.ceil(event.prepare_s / self.scenario.serving.step_time_s - 1e-9))
-        prepared = {p: self.workers[p].post(Command("prepare", {"group": groups[new_members.index(p)],
-                                                                "prepare_s": event.prepare_s, "build_step": least}))
-                    for p in old_members if p in new_members}
+        prepared = {
+            p: self.workers[p].post(
+                Command(
+                    "prepare",
+                    {"group": groups[new_members.index(p)], "prepare_s": event.prepare_s, "build_step": least},
+                )
+            )
+            for p in old_members
+            if p in new_members
+        }
         if not self.world.join({**joined, **prepared}, "PREPARE"):
             return False
         # PREPARE runs in the background while serving goes on; wait for every rank's standby communicator, as

@@ -38,6 +38,7 @@ def _worker_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     atexit.register(quiet.for_good)  # what leaked runs' finalizers log at exit is in their histories
     from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before any run's clock starts
+
     while True:
         try:
             spec = conn.recv()
@@ -162,8 +163,12 @@ class LocalEngine:
                 if w.begun:
                     row = failed_row(spec, "timeout", f"killed after {self.timeout:g} s", elapsed)
                 else:
-                    row = failed_row(spec, "worker_crash", f"worker process did not begin the run within "
-                                                             f"{START_LIMIT_S:g} s", elapsed)
+                    row = failed_row(
+                        spec,
+                        "worker_crash",
+                        f"worker process did not begin the run within {START_LIMIT_S:g} s",
+                        elapsed,
+                    )
                 pool[i] = w = self._replace(w)
             if row is None:
                 continue
@@ -212,13 +217,19 @@ class RayEngine:
             try:
                 ray.init(address=self.address, log_to_driver=False, logging_level=logging.ERROR)
             except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise BackendUnavailable(f"--ray-address {self.address}: cannot join that Ray cluster "
-                                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+                raise BackendUnavailable(
+                    f"--ray-address {self.address}: cannot join that Ray cluster "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                ) from None
         else:
             # Ray's own INFO and WARNING lines at start-up ("Started a local Ray instance", its token note) would
             # land between epsim's: only its errors are shown.
-            ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.ERROR)
+            ray.init(
+                num_cpus=self.workers or os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
 
     def map(self, specs: Iterable[RunSpec]) -> Iterator[dict[str, Any]]:
         ray = self.ray
@@ -253,8 +264,12 @@ class RayEngine:
                     if run.begun:
                         yield failed_row(run.spec, "timeout", f"cancelled after {self.timeout:g} s", elapsed)
                     else:
-                        yield failed_row(run.spec, "worker_crash", f"Ray worker did not begin the run within "
-                                                                   f"{START_LIMIT_S:g} s", elapsed)
+                        yield failed_row(
+                            run.spec,
+                            "worker_crash",
+                            f"Ray worker did not begin the run within {START_LIMIT_S:g} s",
+                            elapsed,
+                        )
 
     def _next(self, gen, run: "_RayRun") -> Any:
         """What the task gave next: BEGIN, its row, or a failed row for a worker that died or a task that failed."""

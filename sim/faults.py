@@ -23,47 +23,83 @@ from .errors import ScenarioError
 # ``what=communicator``: the communicators dropped at commit, abort and exit, though not a prepared or aborted one
 # still held at exit, whose drops are named "prepared" and "aborted"); without it, every drop.
 GC_SITES: dict[str, tuple[str, frozenset[str]]] = {
-    "gc.late": ("a dropped communicator (or all2all buffer) is finalized delay_s later, on a thread of its own "
-                "process", frozenset({"delay_s", "what"})),
-    "gc.cycle": ("a dropped communicator (or buffer) sits in a reference cycle until the next planned gc.collect()",
-                 frozenset({"what"})),
-    "gc.thread": ("a dropped communicator (or buffer) is finalized on another thread of its process (async EPLB / "
-                  "prepare)", frozenset({"what"})),
-    "gc.never": ("a dropped communicator (or buffer) lives until interpreter shutdown, when the fake modules are "
-                 "torn down", frozenset({"what"})),
+    "gc.late": (
+        "a dropped communicator (or all2all buffer) is finalized delay_s later, on a thread of its own process",
+        frozenset({"delay_s", "what"}),
+    ),
+    "gc.cycle": (
+        "a dropped communicator (or buffer) sits in a reference cycle until the next planned gc.collect()",
+        frozenset({"what"}),
+    ),
+    "gc.thread": (
+        "a dropped communicator (or buffer) is finalized on another thread of its process (async EPLB / prepare)",
+        frozenset({"what"}),
+    ),
+    "gc.never": (
+        "a dropped communicator (or buffer) lives until interpreter shutdown, when the fake modules are torn down",
+        frozenset({"what"}),
+    ),
 }
 # Faults the harness itself injects into a worker.
 WORKER_SITES: dict[str, tuple[str, frozenset[str]]] = {
-    "storage.move": ("expert_buffer is reallocated right before PREPARE builds the new communicator (as vLLM "
-                     "main@06-21's switch_and_prepare did), so the new storage was never registered", frozenset()),
-    "peer.restart": ("a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
-                     "memory registered again, no peers loaded); peers that kept the old entry must remove it "
-                     "before loading the name again", frozenset()),
-    "device.stream_lag": ("a rank's CUDA stream has delay_s (default 0.01) of other work before each expert row "
-                          "copy of one rebalance, so a READ posted from the CPU can land in expert_buffer before the "
-                          "copies out of it (vLLM's non_blocking copies; sim/device.py; on a GPU the real backend "
-                          "queues a sleep kernel)", frozenset({"delay_s"})),
-    "all2all.parity_skew": ("a rank runs one extra low-latency dispatch on its own (a dummy batch), so its "
-                            "double-buffer parity runs one ahead of its peers' (DeepEP low latency)", frozenset()),
-    "all2all.stale_handle": ("a rank combines with the handle of its last dispatch from before the EP size changed, "
-                             "at its first forward on the new group (DeepEP)", frozenset()),
-    "all2all.cleanup_late": ("the retired group's all2all buffers are destroyed delay_s later on the background "
-                             "cleanup thread, while the new group already serves (DeepEP scenarios)",
-                             frozenset({"delay_s"})),
+    "storage.move": (
+        "expert_buffer is reallocated right before PREPARE builds the new communicator (as vLLM "
+        "main@06-21's switch_and_prepare did), so the new storage was never registered",
+        frozenset(),
+    ),
+    "peer.restart": (
+        "a rank's NIXL agents restart under the same names right before PREPARE (new connections, "
+        "memory registered again, no peers loaded); peers that kept the old entry must remove it "
+        "before loading the name again",
+        frozenset(),
+    ),
+    "device.stream_lag": (
+        "a rank's CUDA stream has delay_s (default 0.01) of other work before each expert row "
+        "copy of one rebalance, so a READ posted from the CPU can land in expert_buffer before the "
+        "copies out of it (vLLM's non_blocking copies; sim/device.py; on a GPU the real backend "
+        "queues a sleep kernel)",
+        frozenset({"delay_s"}),
+    ),
+    "all2all.parity_skew": (
+        "a rank runs one extra low-latency dispatch on its own (a dummy batch), so its "
+        "double-buffer parity runs one ahead of its peers' (DeepEP low latency)",
+        frozenset(),
+    ),
+    "all2all.stale_handle": (
+        "a rank combines with the handle of its last dispatch from before the EP size changed, "
+        "at its first forward on the new group (DeepEP)",
+        frozenset(),
+    ),
+    "all2all.cleanup_late": (
+        "the retired group's all2all buffers are destroyed delay_s later on the background "
+        "cleanup thread, while the new group already serves (DeepEP scenarios)",
+        frozenset({"delay_s"}),
+    ),
 }
 # A PREPARE's worker faults, in the order they are decided, with what each one moves or restarts.
 PREPARE_SITES = (("storage.move", "expert_buffer"), ("peer.restart", "agents"))
 COMMON = frozenset({"rank", "times", "at_step"})
 # Every drop a worker hands to the GC controller, by name; a GC fault's ``what`` must be part of one of them.
-DROPS = ("old communicator", "aborted communicator", "prepared", "aborted", "communicator at exit",
-         "old all2all buffer", "all2all buffer at exit")
+DROPS = (
+    "old communicator",
+    "aborted communicator",
+    "prepared",
+    "aborted",
+    "communicator at exit",
+    "old all2all buffer",
+    "all2all buffer at exit",
+)
 
 # What a NIXL site does in a simulated run beyond what the fake says of it.
-_NIXL_NOTES = {"notif.drop": "; no built-in strategy sends notifications, so it fires only for your own",
-               "notif.delay": "; no built-in strategy sends notifications, so it fires only for your own"}
-SITES: dict[str, str] = {**{f"nixl.{k}": v + _NIXL_NOTES.get(k, "") for k, v in NIXL_SITES.items()},
-                         **{k: v for k, (v, _) in GC_SITES.items()},
-                         **{k: v for k, (v, _) in WORKER_SITES.items()}}
+_NIXL_NOTES = {
+    "notif.drop": "; no built-in strategy sends notifications, so it fires only for your own",
+    "notif.delay": "; no built-in strategy sends notifications, so it fires only for your own",
+}
+SITES: dict[str, str] = {
+    **{f"nixl.{k}": v + _NIXL_NOTES.get(k, "") for k, v in NIXL_SITES.items()},
+    **{k: v for k, (v, _) in GC_SITES.items()},
+    **{k: v for k, (v, _) in WORKER_SITES.items()},
+}
 
 
 def params_of(site: str) -> frozenset[str]:
@@ -96,8 +132,15 @@ class Armed:
 
 # What each numeric parameter holds, and its least value: checked when a fault is armed, so that a typo is one line
 # before the run instead of an exception inside it (where it would read as the code under test crashing).
-NUMBERS: dict[str, tuple[type, int]] = {"at_step": (int, 0), "rank": (int, 0), "times": (int, 1), "polls": (int, 1),
-                                        "after_posts": (int, 0), "delay_s": (float, 0), "delay": (float, 0)}
+NUMBERS: dict[str, tuple[type, int]] = {
+    "at_step": (int, 0),
+    "rank": (int, 0),
+    "times": (int, 1),
+    "polls": (int, 1),
+    "after_posts": (int, 0),
+    "delay_s": (float, 0),
+    "delay": (float, 0),
+}
 
 
 def validate(site: str, params: dict[str, Any]) -> Armed:
@@ -107,8 +150,9 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
         raise ScenarioError(f"fault site {site!r} not found; {hint}known: {', '.join(SITES)} (see `epsim faults`)")
     unknown = sorted(set(params) - params_of(site))
     if unknown:
-        raise ScenarioError(f"fault {site}: no parameter {unknown[0]!r}; it takes: "
-                            f"{', '.join(sorted(params_of(site)))}")
+        raise ScenarioError(
+            f"fault {site}: no parameter {unknown[0]!r}; it takes: {', '.join(sorted(params_of(site)))}"
+        )
     for key, value in params.items():
         kind, least = NUMBERS.get(key, (None, 0))
         if kind is None:
@@ -119,8 +163,10 @@ def validate(site: str, params: dict[str, Any]) -> Armed:
             raise ScenarioError(f"fault {site}: {key}={value!r} must be {noun} >= {least}")
     what = params.get("what")
     if what is not None and not any(str(what) in drop for drop in DROPS):
-        raise ScenarioError(f"fault {site}: what={what!r} is part of no drop's name, so it would never fire; drops "
-                            f"are: {', '.join(DROPS)}")
+        raise ScenarioError(
+            f"fault {site}: what={what!r} is part of no drop's name, so it would never fire; drops "
+            f"are: {', '.join(DROPS)}"
+        )
     error = params.get("error")
     if error is not None and error not in NIXL_STATUS:
         raise ScenarioError(f"fault {site}: error={error!r} is not a NIXL status; use one of {', '.join(NIXL_STATUS)}")
@@ -160,23 +206,34 @@ def check_fits(armed: list[Armed], scenario, option: str = "--fault") -> None:
     processes = scenario.processes()
     for a in armed:
         if a.at_step >= scenario.steps:
-            raise ScenarioError(f"{option} {a}: at_step {a.at_step} is not before the scenario's steps = "
-                                f"{scenario.steps}, so it would never fire")
+            raise ScenarioError(
+                f"{option} {a}: at_step {a.at_step} is not before the scenario's steps = "
+                f"{scenario.steps}, so it would never fire"
+            )
         if "rank" in a.params and int(a.params["rank"]) >= processes:
-            raise ScenarioError(f"{option} {a}: rank {a.params['rank']} never exists; the scenario starts rank "
-                                f"processes 0..{processes - 1} (a scale-up's new ranks take new numbers)")
+            raise ScenarioError(
+                f"{option} {a}: rank {a.params['rank']} never exists; the scenario starts rank "
+                f"processes 0..{processes - 1} (a scale-up's new ranks take new numbers)"
+            )
         if a.site.startswith("all2all.") and scenario.all2all.backend == "none":
             raise ScenarioError(f"{option} {a}: the scenario has no all2all buffers (set all2all.backend)")
         if a.site == "all2all.parity_skew" and scenario.all2all.backend != "deepep_low_latency":
-            raise ScenarioError(f"{option} {a}: only low-latency buffers have a double-buffer parity (set "
-                                "all2all.backend=deepep_low_latency)")
+            raise ScenarioError(
+                f"{option} {a}: only low-latency buffers have a double-buffer parity (set "
+                "all2all.backend=deepep_low_latency)"
+            )
 
 
 def arm(specs, extra=()) -> list[Armed]:
     """A run's armed faults: the scenario's fault specs (``FaultSpec``), then ``extra`` (``SITE:k=v`` strings from
     the command line, or ``Armed``), every one validated."""
-    armed = [validate(f.site, {**f.params, **({"at_step": f.at_step} if f.at_step else {}),
-                               **({"times": f.times} if f.times else {})}) for f in specs]
+    armed = [
+        validate(
+            f.site,
+            {**f.params, **({"at_step": f.at_step} if f.at_step else {}), **({"times": f.times} if f.times else {})},
+        )
+        for f in specs
+    ]
     armed += [f if isinstance(f, Armed) else parse(f) for f in extra]
     refuse_twice(armed)
     return armed
@@ -187,8 +244,10 @@ def refuse_twice(armed: list[Armed]) -> None:
     seen: set[str] = set()
     for a in armed:
         if str(a) in seen:
-            raise ScenarioError(f"fault {a} is armed twice (counting the scenario's own faults); arm it "
-                                "once, with times=N for N firings")
+            raise ScenarioError(
+                f"fault {a} is armed twice (counting the scenario's own faults); arm it "
+                "once, with times=N for N firings"
+            )
         seen.add(str(a))
 
 
@@ -228,8 +287,10 @@ class FaultPlan:
         """Whether each of a PREPARE's worker faults fires for process ``pid`` (site -> fired), decided when PREPARE
         is posted for ``build_step``, the step its window ends at and it builds: one decision for both worlds (the
         simulated PREPARE builds at that step, real ranks at once)."""
-        return {site: self.take({site: WORKER_SITES[site]}, pid, what, build_step) is not None
-                for site, what in PREPARE_SITES}
+        return {
+            site: self.take({site: WORKER_SITES[site]}, pid, what, build_step) is not None
+            for site, what in PREPARE_SITES
+        }
 
     def take(self, sites, pid: int, what: str, step: int | None = None) -> Armed | None:
         """The first armed fault among ``sites`` that applies to process ``pid`` now, marked as fired.  ``step``: the

@@ -41,12 +41,17 @@ _simpy_checked = False
 def _check_simpy() -> None:
     env = simpy.Environment()
     version = getattr(simpy, "__version__", "unknown")
-    if not (isinstance(getattr(env, "_queue", None), list) and isinstance(getattr(env, "_now", None), (int, float))
-            and version.startswith(SIMPY_TESTED + ".")):
+    if not (
+        isinstance(getattr(env, "_queue", None), list)
+        and isinstance(getattr(env, "_now", None), (int, float))
+        and version.startswith(SIMPY_TESTED + ".")
+    ):
         from .errors import BackendUnavailable
 
-        raise BackendUnavailable(f"simpy {version} is installed; epsim's kernel drives SimPy {SIMPY_TESTED}'s event "
-                                 f"heap: pip install 'simpy>={SIMPY_TESTED},<4.2'")
+        raise BackendUnavailable(
+            f"simpy {version} is installed; epsim's kernel drives SimPy {SIMPY_TESTED}'s event "
+            f"heap: pip install 'simpy>={SIMPY_TESTED},<4.2'"
+        )
 
 
 class _Env(simpy.Environment):
@@ -65,8 +70,9 @@ class _Env(simpy.Environment):
 class SimThread:
     """One simulated thread of one simulated process (rank)."""
 
-    def __init__(self, kernel: "Kernel", name: str, pid: int, fn: Callable, args: tuple, kwargs: dict,
-                 daemon: bool) -> None:
+    def __init__(
+        self, kernel: "Kernel", name: str, pid: int, fn: Callable, args: tuple, kwargs: dict, daemon: bool
+    ) -> None:
         self.kernel, self.name, self.pid, self.daemon = kernel, name, pid, daemon
         self._fn, self._args, self._kwargs = fn, args, kwargs
         self.glet: greenlet | None = None
@@ -93,8 +99,9 @@ class BlockingOutsideThread(RuntimeError):
 class Kernel:
     """A world of simulated threads on a simulated clock."""
 
-    def __init__(self, seed: int = 0, *, tape: Tape | None = None, tiebreak: bool = True,
-                 stop_on_crash: bool = True) -> None:
+    def __init__(
+        self, seed: int = 0, *, tape: Tape | None = None, tiebreak: bool = True, stop_on_crash: bool = True
+    ) -> None:
         global _simpy_checked
         if not _simpy_checked:
             _check_simpy()
@@ -125,8 +132,9 @@ class Kernel:
         return self.env.now
 
     # -- threads ----------------------------------------------------------------------------------------------
-    def spawn(self, name: str, fn: Callable, *args: Any, pid: int = 0, daemon: bool = False,
-              **kwargs: Any) -> SimThread:
+    def spawn(
+        self, name: str, fn: Callable, *args: Any, pid: int = 0, daemon: bool = False, **kwargs: Any
+    ) -> SimThread:
         th = SimThread(self, name, pid, fn, args, kwargs, daemon)
         self.threads.append(th)
         self._start(th)
@@ -297,8 +305,10 @@ class Kernel:
         and ``secrets``, ``uuid.uuid1``, ``datetime.now`` and numpy's or torch's global generators; code under test
         that draws from them makes its run differ between processes (``--check-determinism`` shows it)."""
         kernel = self
-        real = {name: getattr(time, name) for name in ("sleep", "monotonic", "time", "perf_counter", "monotonic_ns",
-                                                       "time_ns", "perf_counter_ns")}
+        real = {
+            name: getattr(time, name)
+            for name in ("sleep", "monotonic", "time", "perf_counter", "monotonic_ns", "time_ns", "perf_counter_ns")
+        }
         real_uuid4 = uuid.uuid4
         uuids = self.streams.get("uuid")
         real_hook = sys.unraisablehook
@@ -313,11 +323,13 @@ class Kernel:
         def clock(name: str, base: float) -> Callable[[], float]:
             def now() -> float:
                 return base + kernel.env.now if kernel._current is not None else real[name]()
+
             return now
 
         def clock_ns(name: str, base: float) -> Callable[[], int]:
             def now() -> int:
                 return round((base + kernel.env.now) * 1e9) if kernel._current is not None else real[name]()
+
             return now
 
         def unraisable(info) -> None:

@@ -72,9 +72,14 @@ class Oracles:
         self._shared_use: set[str] = set()  # agents already reported as used by two threads at once
         self.released: dict[str, set[tuple[int, int]]] = defaultdict(set)  # conn -> (addr, len) it deregistered
         self.problems: list[Problem] = []
-        self.metrics: dict[str, Any] = {"registrations": 0, "duplicate_registrations": 0,
-                                        "max_live_agents_per_process": 0, "agents_created": 0,
-                                        "transfers": 0, "bytes_moved": 0}
+        self.metrics: dict[str, Any] = {
+            "registrations": 0,
+            "duplicate_registrations": 0,
+            "max_live_agents_per_process": 0,
+            "agents_created": 0,
+            "transfers": 0,
+            "bytes_moved": 0,
+        }
 
     def _problem(self, verdict: str, invariant: str, detail: str) -> None:
         self.problems.append(Problem(verdict, invariant, detail, len(self.history), self.history.now()))
@@ -113,18 +118,24 @@ class Oracles:
         elif kind == "deregister.refused":
             again = [tuple(r) for r in f["ranges"] if tuple(r) in self.released.get(conn, ())]
             if again:  # NIXL refused it, so no harm came of it here; the owner of the range is confused
-                self._problem("safety", "released_twice",  # (no address: details are part of the history)
-                              f"agent {f['agent']} (pid {f['pid']}) deregistered a range of {again[0][1]} B again "
-                              "after releasing it: every registration is released exactly once")
+                self._problem(
+                    "safety",
+                    "released_twice",  # (no address: details are part of the history)
+                    f"agent {f['agent']} (pid {f['pid']}) deregistered a range of {again[0][1]} B again "
+                    "after releasing it: every registration is released exactly once",
+                )
         elif kind == "peer.load":
             self.peers[conn][f["peer"]] = f["peer_conn"]
         elif kind == "peer.remove":
             self.peers[conn].pop(f["peer"], None)
         elif kind == "agent.threads" and conn not in self._shared_use:
             self._shared_use.add(conn)  # one violation per agent: its first racing call is the finding
-            self._problem("safety", "agent_threads",
-                          f"agent {f['agent']} (pid {f['pid']}) was called on thread {f['thread']} while "
-                          f"{', '.join(f['others'])} held {f['open']} open transfer request(s) on it")
+            self._problem(
+                "safety",
+                "agent_threads",
+                f"agent {f['agent']} (pid {f['pid']}) was called on thread {f['thread']} while "
+                f"{', '.join(f['others'])} held {f['open']} open transfer request(s) on it",
+            )
 
     def _note_duplicates(self, conn: str, pid: int, ranges: list[tuple[int, int]]) -> None:
         for other, held in self.live.items():
@@ -133,17 +144,22 @@ class Oracles:
             for lo, n in ranges:
                 if any(lo < a + m and a < lo + n for a, m in held.payloads()):
                     self.metrics["duplicate_registrations"] += 1
-                    self.history.record("oracle.duplicate_registration", pid=pid, agent=self.agent_name[conn],
-                                        other=self.agent_name.get(other, "?"), same_agent=other == conn)
+                    self.history.record(
+                        "oracle.duplicate_registration",
+                        pid=pid,
+                        agent=self.agent_name[conn],
+                        other=self.agent_name.get(other, "?"),
+                        same_agent=other == conn,
+                    )
                     break
 
     def transfer_done(self, f: dict[str, Any]) -> None:
         """A transfer moved its bytes (an ``xfer.done`` event's fields)."""
-        self.transfer_moved(f["agent"], f["pid"], f["op"], f["nbytes"], f["conn"], f["local"], f["target"],
-                            f["remote"])
+        self.transfer_moved(f["agent"], f["pid"], f["op"], f["nbytes"], f["conn"], f["local"], f["target"], f["remote"])
 
-    def transfer_moved(self, agent: str, pid: int, op: str, nbytes: int, conn: str, local, target: str | None,
-                       remote) -> None:
+    def transfer_moved(
+        self, agent: str, pid: int, op: str, nbytes: int, conn: str, local, target: str | None, remote
+    ) -> None:
         """A transfer moved its bytes: both sides must be registered with their agents at this moment.  ``local``
         and ``remote``: its (addr, len) spans in the memory of ``conn`` (the agent that posted it) and ``target``."""
         metrics = self.metrics
@@ -161,10 +177,13 @@ class Oracles:
                 src = target if op == "READ" else conn
                 who = self.agent_name.get(where, where)
                 state = "destroyed" if where in self.destroyed else "live"
-                self._problem("safety", "unregistered_access",
-                              f"{op} by {agent} (pid {pid}) moved {missing[1]} B "
-                              f"{'from' if where == src else 'into'} {side} memory of {who} ({state}) that was "
-                              "not registered at that moment")
+                self._problem(
+                    "safety",
+                    "unregistered_access",
+                    f"{op} by {agent} (pid {pid}) moved {missing[1]} B "
+                    f"{'from' if where == src else 'into'} {side} memory of {who} ({state}) that was "
+                    "not registered at that moment",
+                )
                 return
 
     # -- checks the harness asks for ----------------------------------------------------------------------------
@@ -187,9 +206,12 @@ class Oracles:
             for name, peer_conn in sorted(peers.items()):
                 peer_pid = self.agent_pid.get(peer_conn)
                 if peer_pid is not None and peer_pid not in members:
-                    self._problem("safety", "stale_peer",
-                                  f"agent {self.agent_name[conn]} (pid {pid}) still has {name} of departed pid "
-                                  f"{peer_pid} loaded after the reconfiguration to pids {spans(members)}")
+                    self._problem(
+                        "safety",
+                        "stale_peer",
+                        f"agent {self.agent_name[conn]} (pid {pid}) still has {name} of departed pid "
+                        f"{peer_pid} loaded after the reconfiguration to pids {spans(members)}",
+                    )
                     return
 
     def after_shutdown(self) -> None:
@@ -200,13 +222,25 @@ class Oracles:
     def leaked(self, conn: str, registrations: int) -> None:
         """Agent ``conn`` outlived the shutdown holding ``registrations`` registrations (the real backend judges it
         at its rank's exit, where the process still holds it)."""
-        self._problem("safety", "leak", f"agent {self.agent_name.get(conn, conn)} of pid {self.agent_pid.get(conn)} "
-                                        f"is still alive after shutdown holding {registrations} registrations")
+        self._problem(
+            "safety",
+            "leak",
+            f"agent {self.agent_name.get(conn, conn)} of pid {self.agent_pid.get(conn)} "
+            f"is still alive after shutdown holding {registrations} registrations",
+        )
 
     def buffer_leaked(self, pid: int, team: str, index: int, t: float) -> None:
-        self.problems.append(Problem("safety", "leak", f"pid {pid}: DeepEP buffer {team} was dropped without "
-                                                      "destroy() (explicitly_destroy=True): DeepEP only warns, and "
-                                                      "its buffers stay allocated", index, t))
+        self.problems.append(
+            Problem(
+                "safety",
+                "leak",
+                f"pid {pid}: DeepEP buffer {team} was dropped without "
+                "destroy() (explicitly_destroy=True): DeepEP only warns, and "
+                "its buffers stay allocated",
+                index,
+                t,
+            )
+        )
 
     def crashed(self, thread: str, pid: int, exc: BaseException, index: int) -> None:
         from fakes.torch_dist import CollectiveTimeout
@@ -220,11 +254,13 @@ class Oracles:
         if _caused_by(exc, CollectiveTimeout):
             # A peer that never reached a collective, reported by the code under test in an exception of its own
             # (vLLM: "NIXL EPLB init failed: agents"): what did not converge is the group, whatever wraps it.
-            self.problems.append(Problem("liveness", "collective_timeout", f"{thread}: {crash_mod.line(info)}",
-                                         index, now, info))
+            self.problems.append(
+                Problem("liveness", "collective_timeout", f"{thread}: {crash_mod.line(info)}", index, now, info)
+            )
         else:
-            self.problems.append(Problem("crash", "exception", f"{thread} (pid {pid}): {crash_mod.line(info)}",
-                                         index, now, info))
+            self.problems.append(
+                Problem("crash", "exception", f"{thread} (pid {pid}): {crash_mod.line(info)}", index, now, info)
+            )
 
     def stuck(self, detail: str) -> None:
         self.problems.append(Problem("liveness", "stuck", detail, len(self.history), self.history.now()))

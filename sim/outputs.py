@@ -84,8 +84,9 @@ def writable_dir(path: str | Path, option: str, files: Iterable[str] = RUN_FILES
         if (p / name).is_dir():
             raise BadOutput(f"{option} {path}: {name} there is a directory, where epsim writes a file of that name")
         if (p / name).exists() and not (p / name).is_file():  # a FIFO or a device: reading or writing it may block
-            raise BadOutput(f"{option} {path}: {name} there is not a regular file, where epsim writes a file of "
-                            "that name")
+            raise BadOutput(
+                f"{option} {path}: {name} there is not a regular file, where epsim writes a file of that name"
+            )
     if make or p.is_dir():
         _ensure(p, f"{option} {path}")
     else:
@@ -101,8 +102,10 @@ def run_dir(path: str | Path, option: str) -> Path:
     p = writable_dir(path, option, make=False)
     present = [name for name in RUN_FILES if (p / name).exists()]
     if present and not _earlier_run(p / "result.json"):
-        raise BadOutput(f"{option} {path}: it holds {', '.join(present)}, which no earlier epsim run wrote (no "
-                        f"result.json of one); give a new or empty directory, or an earlier run's folder")
+        raise BadOutput(
+            f"{option} {path}: it holds {', '.join(present)}, which no earlier epsim run wrote (no "
+            f"result.json of one); give a new or empty directory, or an earlier run's folder"
+        )
     return p
 
 
@@ -132,11 +135,15 @@ def bundle_dir(path: str | Path, option: str, *, source: str | Path | None = Non
     if source is not None:
         src, dst = Path(source).resolve(), p.resolve()
         if src == dst or dst in src.parents:
-            raise BadOutput(f"{option} {path}: that {'is' if src == dst else 'holds'} the bundle being read "
-                            f"({source}); give another directory")
+            raise BadOutput(
+                f"{option} {path}: that {'is' if src == dst else 'holds'} the bundle being read "
+                f"({source}); give another directory"
+            )
     if p.is_dir() and any(p.iterdir()) and not (p / "failure.json").is_file():
-        raise BadOutput(f"{option} {path}: the directory holds other files and is not a failure bundle; give a new "
-                        f"or empty directory, or a bundle to replace")
+        raise BadOutput(
+            f"{option} {path}: the directory holds other files and is not a failure bundle; give a new "
+            f"or empty directory, or a bundle to replace"
+        )
     return p
 
 
@@ -160,5 +167,4 @@ def _ensure(directory: Path, what: str) -> None:
         with tempfile.TemporaryFile(dir=directory):  # mkdir succeeds on a directory that exists read-only
             pass
     except OSError as exc:
-        raise BadOutput(f"{what}: cannot write there ({exc.strerror or exc}); give a path you can write to") \
-            from None
+        raise BadOutput(f"{what}: cannot write there ({exc.strerror or exc}); give a path you can write to") from None

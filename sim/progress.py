@@ -11,8 +11,7 @@ from __future__ import annotations
 from time import perf_counter as _wall  # the real clock: bound before any run patches the time module
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column
 
 _EVERY_S = 0.25  # redraw at most this often (wall seconds)
@@ -40,9 +39,13 @@ class _Bar:
 def run_columns(steps: int) -> tuple:
     """The columns of a run's line.  On an 80-column terminal rich's defaults squeezed the step count to "750/7…":
     the bar is narrower, and the count never shortens (the speed text gives way first)."""
-    return (TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
-            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(steps)) + 1)),
-            TextColumn("steps · {task.fields[sim]}"), TimeElapsedColumn())
+    return (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=16),
+        MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(steps)) + 1)),
+        TextColumn("steps · {task.fields[sim]}"),
+        TimeElapsedColumn(),
+    )
 
 
 class RunProgress(_Bar):
@@ -66,10 +69,16 @@ class RunProgress(_Bar):
 def sweep_columns(total: int) -> tuple:
     """The columns of a sweep's line, fitted to 80 columns as :func:`run_columns` is."""
     whole = Column(no_wrap=True, min_width=2 * len(str(total)) + 1)
-    return (TextColumn("[bold]sweep"), BarColumn(bar_width=16), MofNCompleteColumn(table_column=whole),
-            TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
-            TimeElapsedColumn(), TextColumn("·"),
-            TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)), TextColumn("left"))
+    return (
+        TextColumn("[bold]sweep"),
+        BarColumn(bar_width=16),
+        MofNCompleteColumn(table_column=whole),
+        TextColumn("runs · {task.fields[failures]} failed · {task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("·"),
+        TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
+        TextColumn("left"),
+    )
 
 
 class SweepProgress(_Bar):

@@ -34,14 +34,26 @@ _FAKE_SESSION = pytest.StashKey[object]()
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("epsim")
-    group.addoption("--epsim-seeds", default=None, metavar="N|A:B",
-                    help="seeds for tests marked @pytest.mark.epsim: N seeds from 0, or seeds A to B-1")
-    group.addoption("--fake-nixl", action="store_true", default=False,
-                    help="the whole session imports epsim's fake NIXL under every NIXL package name (nixl._api, "
-                         "._bindings, ._utils, .logging): run a test suite written for NIXL, NIXL's own included, "
-                         "against the fake")
-    group.addoption("--fake-nixl-profile", default="dram", metavar="PROFILE",
-                    help="the fake's profile under --fake-nixl (dram, cuda, rdma, rocm-strict; default dram)")
+    group.addoption(
+        "--epsim-seeds",
+        default=None,
+        metavar="N|A:B",
+        help="seeds for tests marked @pytest.mark.epsim: N seeds from 0, or seeds A to B-1",
+    )
+    group.addoption(
+        "--fake-nixl",
+        action="store_true",
+        default=False,
+        help="the whole session imports epsim's fake NIXL under every NIXL package name (nixl._api, "
+        "._bindings, ._utils, .logging): run a test suite written for NIXL, NIXL's own included, "
+        "against the fake",
+    )
+    group.addoption(
+        "--fake-nixl-profile",
+        default="dram",
+        metavar="PROFILE",
+        help="the fake's profile under --fake-nixl (dram, cuda, rdma, rocm-strict; default dram)",
+    )
 
 
 def _install_fake_nixl(config) -> None:
@@ -75,12 +87,15 @@ def pytest_report_header(config) -> str | None:
 
 def pytest_configure(config) -> None:
     _install_fake_nixl(config)
-    config.addinivalue_line("markers", "nixl_profile(name): the fake NIXL profile for the fake_nixl fixture "
-                                       "(dram, cuda, rdma, rocm-strict)")
+    config.addinivalue_line(
+        "markers", "nixl_profile(name): the fake NIXL profile for the fake_nixl fixture (dram, cuda, rdma, rocm-strict)"
+    )
     if config.getoption("--epsim-seeds"):
         _option_seeds(config.getoption("--epsim-seeds"))  # a bad value stops the session before collection
-    config.addinivalue_line("markers", "epsim(seeds=N): run the test once per seed; the epsim_seed fixture is the "
-                                       "seed (--epsim-seeds overrides)")
+    config.addinivalue_line(
+        "markers",
+        "epsim(seeds=N): run the test once per seed; the epsim_seed fixture is the seed (--epsim-seeds overrides)",
+    )
 
 
 def _option_seeds(text: str) -> list[int]:
@@ -171,15 +186,29 @@ def epsim_cluster(epsim_seed):
 
     def build(scenario, *, strategy=None, profile=None, faults=()):
         sc = scenario_mod.load(scenario) if isinstance(scenario, str) else scenario
-        return Cluster(sc, seed=epsim_seed, strategy=strategy or sc.strategy, profile=profile or sc.profile,
-                       faults=[catalogue.parse(f) for f in faults])
+        return Cluster(
+            sc,
+            seed=epsim_seed,
+            strategy=strategy or sc.strategy,
+            profile=profile or sc.profile,
+            faults=[catalogue.parse(f) for f in faults],
+        )
 
     return build
 
 
 def replay_command(scenario: str, result) -> str:
-    args = ["epsim", "run", scenario, "--seed", str(result.seed), "--strategy", result.strategy,
-            "--profile", result.profile]
+    args = [
+        "epsim",
+        "run",
+        scenario,
+        "--seed",
+        str(result.seed),
+        "--strategy",
+        result.strategy,
+        "--profile",
+        result.profile,
+    ]
     for f in result.faults_armed:
         args += ["--fault", f]
     return " ".join(shlex.quote(a) for a in args)

@@ -46,10 +46,19 @@ class Summary:
             "verdicts": dict(sorted(self.verdicts.items())),
             "signatures": dict(self.signatures.most_common()),
             "bundles": dict(sorted(self.signature_bundle.items())),
-            "by_config": [{"strategy": st, "profile": pr, "verdicts": dict(sorted(c.items()))}
-                          for (st, pr), c in sorted(self.by_config.items())],
-            "coverage": {s: {"armed": self.armed[s], "fired": self.fired[s], "implicated": self.implicated[s],
-                             "failure_rate": round(self.failure_rate(s), 4)} for s in sorted(self.armed)},
+            "by_config": [
+                {"strategy": st, "profile": pr, "verdicts": dict(sorted(c.items()))}
+                for (st, pr), c in sorted(self.by_config.items())
+            ],
+            "coverage": {
+                s: {
+                    "armed": self.armed[s],
+                    "fired": self.fired[s],
+                    "implicated": self.implicated[s],
+                    "failure_rate": round(self.failure_rate(s), 4),
+                }
+                for s in sorted(self.armed)
+            },
         }
 
 
@@ -113,8 +122,13 @@ def render(summary: Summary, console) -> None:
         for col in ("site", "armed", "fired", "implicated", "failure rate when armed"):
             t.add_column(col, justify="left" if col == "site" else "right")
         for s in sorted(summary.armed):
-            t.add_row(s, str(summary.armed[s]), str(summary.fired[s]), str(summary.implicated[s]),
-                      f"{summary.failure_rate(s):.1%}")
+            t.add_row(
+                s,
+                str(summary.armed[s]),
+                str(summary.fired[s]),
+                str(summary.implicated[s]),
+                f"{summary.failure_rate(s):.1%}",
+            )
         console.print(t)
 
 
@@ -125,11 +139,16 @@ def _save(plt, fig, path: Path, data: dict) -> None:
     """The figure as ``path`` (its numbers in the PNG's Description), written as :func:`~sim.outputs.write_replacing`
     writes: a full disk leaves an earlier report's plot as it was.  An error is :class:`BadOutput`."""
     try:
-        write_replacing(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png",
-                                                      metadata={"Description": json.dumps(data, sort_keys=True)}))
+        write_replacing(
+            path,
+            lambda tmp: fig.savefig(
+                tmp, dpi=100, format="png", metadata={"Description": json.dumps(data, sort_keys=True)}
+            ),
+        )
     except OSError as exc:
-        raise BadOutput(f"{path}: could not write the plot ({exc.strerror or exc}); an earlier one there is "
-                        "kept") from None
+        raise BadOutput(
+            f"{path}: could not write the plot ({exc.strerror or exc}); an earlier one there is kept"
+        ) from None
     finally:
         plt.close(fig)
 
@@ -166,9 +185,17 @@ def plot(summary: Summary, folder: str | Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     path = folder / PLOTS[0]
-    data = {s: {"armed": summary.armed[s], "fired": summary.fired[s], "failed": summary.failed_when_armed[s],
-                "implicated": summary.implicated[s], "rate": round(r, 4), "implicated_rate": round(i, 4)}
-            for s, r, i in zip(sites, rates, implicated)}
+    data = {
+        s: {
+            "armed": summary.armed[s],
+            "fired": summary.fired[s],
+            "failed": summary.failed_when_armed[s],
+            "implicated": summary.implicated[s],
+            "rate": round(r, 4),
+            "implicated_rate": round(i, 4),
+        }
+        for s, r, i in zip(sites, rates, implicated)
+    }
     _save(plt, fig, path, data)
     written.append(path)
 

@@ -41,8 +41,14 @@ class Result:
 _CRASH_TYPE = re.compile(r"\(pid -?\d+\): ([A-Za-z_][\w.]*):")
 
 
-def signature(verdict: str, invariant: str | None, detail: str | None, strategy: str,
-              implicated: list[str], crash: dict[str, Any] | None = None) -> str | None:
+def signature(
+    verdict: str,
+    invariant: str | None,
+    detail: str | None,
+    strategy: str,
+    implicated: list[str],
+    crash: dict[str, Any] | None = None,
+) -> str | None:
     """``invariant|strategy|first implicated fault site`` (None for a pass).  A crash's first part names its
     exceptions and where they came from, ``exception:OUTER[<-ROOT][@FUNCTION]``: the type of the exception that
     escaped, the type of its root cause when it was raised from or while handling another, and the innermost

@@ -54,8 +54,10 @@ _SHAPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "faults_requested": ("a list of fault strings", _strings),
     "faults_armed": ("a list of fault strings", _strings),
     "implicated": ("a list of fault strings", _strings),
-    "faults_fired": ("an object of fault sites and counts",
-                     lambda v: isinstance(v, dict) and all(type(n) is int for n in v.values())),
+    "faults_fired": (
+        "an object of fault sites and counts",
+        lambda v: isinstance(v, dict) and all(type(n) is int for n in v.values()),
+    ),
     "metrics": ("an object of metrics", lambda v: isinstance(v, dict)),
 }
 
@@ -100,8 +102,10 @@ class ResultsDB:
                         try:
                             ResultsDB(self.path, create=False).close()
                         except NotOurs:
-                            raise DatabaseError(f"{self.path}: a file that is not an epsim results database; give a "
-                                                f"new file, or one that epsim sweep wrote") from None
+                            raise DatabaseError(
+                                f"{self.path}: a file that is not an epsim results database; give a "
+                                f"new file, or one that epsim sweep wrote"
+                            ) from None
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._db = sqlite3.connect(str(self.path), timeout=30.0)
                 self._writer = True
@@ -114,8 +118,9 @@ class ResultsDB:
         except sqlite3.DatabaseError as exc:
             raise DatabaseError(f"{self.path}: not a usable SQLite results database ({exc})") from None
         except PermissionError as exc:
-            raise DatabaseError(f"{self.path}: cannot write to it ({exc.strerror or exc}); give a file you can "
-                                "write") from None
+            raise DatabaseError(
+                f"{self.path}: cannot write to it ({exc.strerror or exc}); give a file you can write"
+            ) from None
         except OSError as exc:
             raise DatabaseError(f"{self.path}: cannot open it ({exc.strerror or exc})") from None
 
@@ -143,16 +148,19 @@ class ResultsDB:
         tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not {"meta", "runs"} <= tables:
             self._db.close()
-            raise NotOurs(f"{self.path}: not an epsim results database (write one with `epsim sweep ... "
-                          f"--db {self.path}`)")
+            raise NotOurs(
+                f"{self.path}: not an epsim results database (write one with `epsim sweep ... --db {self.path}`)"
+            )
         found = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         try:
             self._same_schema("unknown" if found is None else found[0])
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(runs)")]
             missing = [c for c in _COLUMNS if c not in columns]
             if missing:
-                raise DatabaseError(f"{self.path}: its runs table lacks {', '.join(missing)}; not a results database "
-                                    f"of schema {SCHEMA_VERSION}")
+                raise DatabaseError(
+                    f"{self.path}: its runs table lacks {', '.join(missing)}; not a results database "
+                    f"of schema {SCHEMA_VERSION}"
+                )
         except DatabaseError:
             self._db.close()
             raise
@@ -171,8 +179,10 @@ class ResultsDB:
             else:
                 self._same_schema(found[0])
             self._db.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, {cols})")
-            self._db.execute("CREATE TABLE IF NOT EXISTS sweeps (id INTEGER PRIMARY KEY, command TEXT NOT NULL, "
-                             "planned INTEGER NOT NULL, started_at REAL NOT NULL)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS sweeps (id INTEGER PRIMARY KEY, command TEXT NOT NULL, "
+                "planned INTEGER NOT NULL, started_at REAL NOT NULL)"
+            )
 
     def close(self) -> None:
         if self._writer:
@@ -195,8 +205,9 @@ class ResultsDB:
     def new_sweep(self, command: str, planned: int, started_at: float) -> int:
         try:
             with self._db:
-                cur = self._db.execute("INSERT INTO sweeps (command, planned, started_at) VALUES (?, ?, ?)",
-                                       (command, planned, started_at))
+                cur = self._db.execute(
+                    "INSERT INTO sweeps (command, planned, started_at) VALUES (?, ?, ?)", (command, planned, started_at)
+                )
         except sqlite3.OperationalError as exc:  # the first write of a sweep: before any run
             raise DatabaseError(f"{self.path}: cannot write to it ({exc})") from None
         return int(cur.lastrowid or 0)  # set by the INSERT above
@@ -235,12 +246,16 @@ class ResultsDB:
                     try:
                         row[c] = json.loads(row[c])
                     except (ValueError, RecursionError):
-                        raise DatabaseError(f"{self.path}: run {row_id}'s {c} is not JSON; the database was changed "
-                                            f"by something other than epsim") from None
+                        raise DatabaseError(
+                            f"{self.path}: run {row_id}'s {c} is not JSON; the database was changed "
+                            f"by something other than epsim"
+                        ) from None
                     shape, fits = _SHAPES[c]
                     if not fits(row[c]):
-                        raise DatabaseError(f"{self.path}: run {row_id}'s {c} is not {shape}; the database was "
-                                            f"changed by something other than epsim")
+                        raise DatabaseError(
+                            f"{self.path}: run {row_id}'s {c} is not {shape}; the database was "
+                            f"changed by something other than epsim"
+                        )
             yield row
 
 

@@ -20,9 +20,18 @@ from .result import Result, same_signature, signature
 __all__ = ["Result", "run_scenario", "same_signature", "signature"]
 
 
-def run_scenario(scenario, *, seed: int | None = None, strategy: str | None = None, profile: str | None = None,
-                 faults: Sequence[str | fault_catalogue.Armed] = (), out: str | Path | None = None,
-                 on_progress=None, calibration=None, tidy: bool = True) -> Result:
+def run_scenario(
+    scenario,
+    *,
+    seed: int | None = None,
+    strategy: str | None = None,
+    profile: str | None = None,
+    faults: Sequence[str | fault_catalogue.Armed] = (),
+    out: str | Path | None = None,
+    on_progress=None,
+    calibration=None,
+    tidy: bool = True,
+) -> Result:
     """Run ``scenario`` (a :class:`sim.scenario.Scenario`) once; ``out`` gets the history and a Perfetto trace.
     ``tidy``: finalize the simulated world before returning (False: a process about to exit leaves it to the OS)."""
     seed = scenario.seed if seed is None else seed
@@ -61,16 +70,25 @@ def _finalize_leftovers() -> None:
 
 def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration) -> Result:
     started = time.perf_counter()
-    cluster = Cluster(scenario, seed=seed, strategy=strategy, profile=profile, faults=armed, on_progress=on_progress,
-                      calibration=calibration)
+    cluster = Cluster(
+        scenario,
+        seed=seed,
+        strategy=strategy,
+        profile=profile,
+        faults=armed,
+        on_progress=on_progress,
+        calibration=calibration,
+    )
     with quiet.during_a_run():
         cluster.run()
         wall = time.perf_counter() - started
         for thread, exc in cluster.kernel.crashes:
             if thread.pid == ENGINE_PID:
                 cluster.kernel.close()
-                raise InternalError(f"epsim's engine failed at {cluster.kernel.now():g} s simulated: "
-                                    f"{exception_line(exc)}; a bug in epsim, not in the code under test") from exc
+                raise InternalError(
+                    f"epsim's engine failed at {cluster.kernel.now():g} s simulated: "
+                    f"{exception_line(exc)}; a bug in epsim, not in the code under test"
+                ) from exc
         unjudged = cluster.unjudged()
         if unjudged is not None:
             cluster.kernel.close()
@@ -82,13 +100,18 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
         try:
             if out is not None:
                 history = cluster.kernel.history
-                write_run_files(out, {
-                    "history.jsonl": history.write_jsonl,
-                    "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
-                    "tape.json": lambda p: p.write_text(json.dumps({"seed": seed, "decisions": tape},
-                                                                   default=str) + "\n"),
-                    "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
-                }, result)
+                write_run_files(
+                    out,
+                    {
+                        "history.jsonl": history.write_jsonl,
+                        "trace.perfetto.json": lambda p: history.write_perfetto(p, result.spans),
+                        "tape.json": lambda p: p.write_text(
+                            json.dumps({"seed": seed, "decisions": tape}, default=str) + "\n"
+                        ),
+                        "result.json": lambda p: p.write_text(json.dumps(result.to_dict()) + "\n"),
+                    },
+                    result,
+                )
         finally:
             cluster.kernel.close()  # stuck greenlets unwind here; their finalizers' log lines stay quiet too
     return result
@@ -103,7 +126,22 @@ def _result(cluster, scenario, seed, strategy, profile, armed, wall) -> Result:
     metrics = dict(cluster.oracles.metrics)
     if cluster.vllm_moved:  # vLLM's rebalance_execute moved the experts, not epsim's model of it
         metrics["move_loop"] = "vllm"
-    return Result(verdict, invariant, detail, seed, scenario.name, strategy, profile, history.trace_hash(),
-                  len(history), cluster.kernel.now(), round(wall, 3), [str(a) for a in armed],
-                  cluster.faults.fired(), metrics, implicated,
-                  signature(verdict, invariant, detail, strategy, implicated, crash), crash=crash)
+    return Result(
+        verdict,
+        invariant,
+        detail,
+        seed,
+        scenario.name,
+        strategy,
+        profile,
+        history.trace_hash(),
+        len(history),
+        cluster.kernel.now(),
+        round(wall, 3),
+        [str(a) for a in armed],
+        cluster.faults.fired(),
+        metrics,
+        implicated,
+        signature(verdict, invariant, detail, strategy, implicated, crash),
+        crash=crash,
+    )

@@ -33,8 +33,19 @@ from .errors import ScenarioError
 from .errors import one_line as _one_line
 
 __all__ = [
-    "ModelConfig", "EplbConfig", "ServingConfig", "Event", "FaultSpec", "Scenario",
-    "load", "from_dict", "builtin_names", "builtin_dir", "with_overrides", "to_yaml", "dump",
+    "ModelConfig",
+    "EplbConfig",
+    "ServingConfig",
+    "Event",
+    "FaultSpec",
+    "Scenario",
+    "load",
+    "from_dict",
+    "builtin_names",
+    "builtin_dir",
+    "with_overrides",
+    "to_yaml",
+    "dump",
 ]
 
 # Where the built-in scenario files live: ``scenarios/`` beside the ``sim`` package, which is the repository root
@@ -91,15 +102,23 @@ class ModelConfig(_Strict):
     layers: int = Field(ge=1, le=4096, description="MoE layers")
     experts: int = Field(ge=1, le=65536, description="logical (routed) experts per layer")
     local_experts: int = Field(ge=1, le=4096, description="physical expert slots per rank; constant across EP sizes")
-    hidden: int = Field(4, ge=1, le=2**24, description="elements per expert row in the small real tensors "
-                                                       "(epsim calibrate moves 1 MiB rows)")
-    tensors_per_layer: int = Field(2, ge=1, le=64,
-                                   description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
-    nominal_expert_bytes: int = Field(ge=1, le=2**40,
-                                      description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)")
-    expert_groups: int = Field(1, ge=1, le=65536,
-                               description="expert groups (vLLM's num_expert_groups; DeepSeek-V3's n_group: 8); "
-                                           "when they split evenly over the nodes the policy is hierarchical")
+    hidden: int = Field(
+        4,
+        ge=1,
+        le=2**24,
+        description="elements per expert row in the small real tensors (epsim calibrate moves 1 MiB rows)",
+    )
+    tensors_per_layer: int = Field(2, ge=1, le=64, description="weight tensors per layer (w13, w2; 4 with FP8 scales)")
+    nominal_expert_bytes: int = Field(
+        ge=1, le=2**40, description="bytes of one expert for the time model (DSv3 FP8: 42 MiB)"
+    )
+    expert_groups: int = Field(
+        1,
+        ge=1,
+        le=65536,
+        description="expert groups (vLLM's num_expert_groups; DeepSeek-V3's n_group: 8); "
+        "when they split evenly over the nodes the policy is hierarchical",
+    )
 
     def physical_experts(self, ep_size: int) -> int:
         """Physical expert slots of one layer across ``ep_size`` ranks."""
@@ -123,7 +142,8 @@ class EplbConfig(_Strict):
     window: int = Field(1000, ge=1, description="load window in steps")
     use_async: bool = False
     first_rebalance_step: Union[int, None] = Field(
-        None, ge=0, description="step of the first rebalance; default step_interval // 4, as vLLM")
+        None, ge=0, description="step of the first rebalance; default step_interval // 4, as vLLM"
+    )
 
     @model_validator(mode="after")
     def _derive_first(self) -> "EplbConfig":
@@ -143,14 +163,19 @@ class ServingConfig(_Strict):
     skew: float = Field(1.2, ge=0, le=100.0, description="Zipf exponent of expert popularity")
     drift_every_steps: int = Field(0, ge=0, description="re-draw popularity every N steps; 0: never")
     async_scheduling: bool = Field(
-        True, description="vLLM's --async-scheduling (on by default in 0.33.0): the host does not wait for a step's "
-                          "sampled tokens before it runs EPLB, so that step's forward work is still queued on the GPU")
+        True,
+        description="vLLM's --async-scheduling (on by default in 0.33.0): the host does not wait for a step's "
+        "sampled tokens before it runs EPLB, so that step's forward work is still queued on the GPU",
+    )
     host_ahead_steps: Union[float, None] = Field(
-        None, ge=0, le=100.0,
+        None,
+        ge=0,
+        le=100.0,
         description="forward work still queued on a GPU's stream when the host runs EPLB after a forward step, in "
-                    "steps; default one step with async_scheduling (the host returns from launching the step and "
-                    "its sampling without waiting), none without it (the bookkeeping's .tolist() waits for the "
-                    "sampler); applies where the world's memory is device memory (the cuda and rocm-strict profiles)")
+        "steps; default one step with async_scheduling (the host returns from launching the step and "
+        "its sampling without waiting), none without it (the bookkeeping's .tolist() waits for the "
+        "sampler); applies where the world's memory is device memory (the cuda and rocm-strict profiles)",
+    )
 
     @model_validator(mode="after")
     def _derive_ahead(self) -> "ServingConfig":
@@ -172,7 +197,8 @@ class All2AllConfig(_Strict):
 
     backend: Literal["none", "deepep_high_throughput", "deepep_low_latency"] = "none"
     nvshmem: Literal["stock", "elastic", "mi355"] = Field(
-        "stock", description="NVSHMEM as built: stock, vLLM's elastic-EP patch, or MI355's ROCm build")
+        "stock", description="NVSHMEM as built: stock, vLLM's elastic-EP patch, or MI355's ROCm build"
+    )
     explicitly_destroy: bool = Field(True, description="what the managers pass to Buffer (vLLM: True)")
 
 
@@ -218,8 +244,9 @@ class FaultSpec(_Strict):
         if isinstance(value, dict):
             for key, v in value.items():
                 if not isinstance(v, (bool, int, float, str)):
-                    raise _Problem(str(key), f"a fault parameter is a boolean, integer, number or string, "
-                                             f"not {type(v).__name__}")
+                    raise _Problem(
+                        str(key), f"a fault parameter is a boolean, integer, number or string, not {type(v).__name__}"
+                    )
         return value
 
 
@@ -230,8 +257,9 @@ class Scenario(_Strict):
     description: str = ""
     ranks: int = Field(ge=1, le=MAX_RANKS, description="initial EP size")
     max_ranks: Union[int, None] = Field(None, ge=1, le=MAX_RANKS, description="the EP size never exceeds this")
-    gpus_per_node: int = Field(8, ge=1, le=MAX_RANKS,
-                               description="ranks per node, filled in rank order; EPLB's policy counts nodes")
+    gpus_per_node: int = Field(
+        8, ge=1, le=MAX_RANKS, description="ranks per node, filled in rank order; EPLB's policy counts nodes"
+    )
     model: ModelConfig
     eplb: EplbConfig = Field(default_factory=EplbConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
@@ -243,8 +271,11 @@ class Scenario(_Strict):
     steps: int = Field(ge=1, le=10**9, description="total forward steps")
     seed: int = Field(0, ge=0, le=2**63 - 1)
     collective_timeout_s: float = Field(300.0, gt=0, le=86400.0)
-    lifecycle: Lifecycle = Field("0.33.0", description="the vLLM revision whose worker lifecycle is followed: "
-                                                       "0.33.0 (as released) or pr-53947 (workers take ABORT)")
+    lifecycle: Lifecycle = Field(
+        "0.33.0",
+        description="the vLLM revision whose worker lifecycle is followed: "
+        "0.33.0 (as released) or pr-53947 (workers take ABORT)",
+    )
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "Scenario":
@@ -255,15 +286,21 @@ class Scenario(_Strict):
             raise _Problem("max_ranks", f"{self.max_ranks} is below ranks = {self.ranks}")
         elements = self.peak_ranks() * m.layers * m.tensors_per_layer * (m.local_experts + 1) * m.hidden
         if elements > MAX_ELEMENTS:
-            raise _Problem("model", f"peak ranks {self.peak_ranks()} x layers {m.layers} x tensors_per_layer "
-                                    f"{m.tensors_per_layer} x (local_experts {m.local_experts} + 1 buffer row) x "
-                                    f"hidden {m.hidden} = {elements:,} simulated weight elements, over the "
-                                    f"{MAX_ELEMENTS:,} ({MAX_ELEMENTS * 4 >> 30} GiB) a run holds in memory; "
-                                    f"make hidden or the model smaller (nominal_expert_bytes sets the time model)")
+            raise _Problem(
+                "model",
+                f"peak ranks {self.peak_ranks()} x layers {m.layers} x tensors_per_layer "
+                f"{m.tensors_per_layer} x (local_experts {m.local_experts} + 1 buffer row) x "
+                f"hidden {m.hidden} = {elements:,} simulated weight elements, over the "
+                f"{MAX_ELEMENTS:,} ({MAX_ELEMENTS * 4 >> 30} GiB) a run holds in memory; "
+                f"make hidden or the model smaller (nominal_expert_bytes sets the time model)",
+            )
         if m.physical_experts(self.ranks) < m.experts:
-            raise _Problem("ranks", f"{_ranks(self.ranks)} x {m.local_experts} local_experts = "
-                                    f"{m.physical_experts(self.ranks)} physical slots, fewer than "
-                                    f"model.experts = {m.experts}")
+            raise _Problem(
+                "ranks",
+                f"{_ranks(self.ranks)} x {m.local_experts} local_experts = "
+                f"{m.physical_experts(self.ranks)} physical slots, fewer than "
+                f"model.experts = {m.experts}",
+            )
         size = self.ranks
         prev_step = 0
         for i, ev in enumerate(self.timeline):
@@ -271,14 +308,19 @@ class Scenario(_Strict):
             if ev.at_step >= self.steps:
                 raise _Problem(f"{at}.at_step", f"{ev.at_step} is not before steps = {self.steps}")
             if ev.at_step < prev_step:
-                raise _Problem(f"{at}.at_step", f"{ev.at_step} comes before timeline[{i - 1}].at_step = "
-                                                f"{prev_step}; events must be sorted by at_step")
+                raise _Problem(
+                    f"{at}.at_step",
+                    f"{ev.at_step} comes before timeline[{i - 1}].at_step = "
+                    f"{prev_step}; events must be sorted by at_step",
+                )
             prev_step = ev.at_step
             if ev.kind == "fail_rank":
                 assert ev.rank is not None
                 if ev.rank >= size:
-                    raise _Problem(f"{at}.rank", f"fail_rank of rank {ev.rank} but only ranks 0..{size - 1} "
-                                                 f"exist at step {ev.at_step}")
+                    raise _Problem(
+                        f"{at}.rank",
+                        f"fail_rank of rank {ev.rank} but only ranks 0..{size - 1} exist at step {ev.at_step}",
+                    )
                 if size == 1:
                     raise _Problem(f"{at}.rank", f"fail_rank of the only rank at step {ev.at_step}")
                 target, field = size - 1, f"{at}.rank"
@@ -287,31 +329,47 @@ class Scenario(_Strict):
                 assert ev.to is not None
                 target, field = ev.to, f"{at}.to"
                 if ev.kind == "scale_up" and target <= size:
-                    raise _Problem(field, f"scale_up to {target} ranks but {size} already exist at step "
-                                          f"{ev.at_step}; scale_up must increase the EP size")
+                    raise _Problem(
+                        field,
+                        f"scale_up to {target} ranks but {size} already exist at step "
+                        f"{ev.at_step}; scale_up must increase the EP size",
+                    )
                 if ev.kind == "scale_down" and target >= size:
-                    raise _Problem(field, f"scale_down to {target} ranks but only {size} exist at step "
-                                          f"{ev.at_step}; scale_down must decrease the EP size")
+                    raise _Problem(
+                        field,
+                        f"scale_down to {target} ranks but only {size} exist at step "
+                        f"{ev.at_step}; scale_down must decrease the EP size",
+                    )
                 if ev.kind == "abort" and target == size:
-                    raise _Problem(field, f"abort of a reconfiguration to {target} ranks but {size} already "
-                                          f"exist at step {ev.at_step}; the prepared size must differ")
+                    raise _Problem(
+                        field,
+                        f"abort of a reconfiguration to {target} ranks but {size} already "
+                        f"exist at step {ev.at_step}; the prepared size must differ",
+                    )
                 if self.max_ranks is not None and target > self.max_ranks:
                     raise _Problem(field, f"{ev.kind} to {target} ranks exceeds max_ranks = {self.max_ranks}")
                 if ev.kind == "abort" and self.lifecycle == "0.33.0":
                     # 0.33.0 has only the external coordinator's abort, which reaches no worker.
-                    raise _Problem(f"{at}.kind", "vLLM 0.33.0's workers take no ABORT; an abort needs "
-                                                 "lifecycle: pr-53947")
+                    raise _Problem(
+                        f"{at}.kind", "vLLM 0.33.0's workers take no ABORT; an abort needs lifecycle: pr-53947"
+                    )
                 what = f"{ev.kind} to {_ranks(target)}"
             if m.physical_experts(target) < m.experts:
-                raise _Problem(field, f"{what} x {m.local_experts} local_experts = {m.physical_experts(target)} "
-                                      f"physical slots, fewer than model.experts = {m.experts}")
+                raise _Problem(
+                    field,
+                    f"{what} x {m.local_experts} local_experts = {m.physical_experts(target)} "
+                    f"physical slots, fewer than model.experts = {m.experts}",
+                )
             if ev.kind != "abort":
                 size = target
         draws = self.steps * self.serving.tokens_per_step * self.serving.top_k * self.peak_ranks()
         if draws >= 2**62:  # one routing draw covers up to every step of every rank: numpy's int64 must hold it
-            raise _Problem("serving.tokens_per_step", f"{self.serving.tokens_per_step} tokens x top_k "
-                                                      f"{self.serving.top_k} x steps {self.steps} x peak ranks "
-                                                      f"{self.peak_ranks()} routing draws exceed what one draw holds")
+            raise _Problem(
+                "serving.tokens_per_step",
+                f"{self.serving.tokens_per_step} tokens x top_k "
+                f"{self.serving.top_k} x steps {self.steps} x peak ranks "
+                f"{self.peak_ranks()} routing draws exceed what one draw holds",
+            )
         if self.faults:
             self._check_faults()
         return self
@@ -326,8 +384,10 @@ class Scenario(_Strict):
             for key in ("at_step", "times"):
                 given = getattr(f, key)
                 if given is not None and key in f.params and f.params[key] != given:
-                    raise _Problem(f"faults[{i}].params.{key}", f"{f.params[key]!r} disagrees with faults[{i}].{key} "
-                                                                f"= {given}; give it once")
+                    raise _Problem(
+                        f"faults[{i}].params.{key}",
+                        f"{f.params[key]!r} disagrees with faults[{i}].{key} = {given}; give it once",
+                    )
             try:  # the checks --fault gets: the site, its parameters, and whether it could ever fire here
                 armed += fault_catalogue.arm([f])
                 fault_catalogue.check_fits(armed[-1:], self, option="fault")
@@ -435,8 +495,9 @@ def _error_line(exc: ValidationError) -> str:
     errors = exc.errors()
     # A misspelt key gives two errors, the unknown key and the field it left missing; the unknown key, with its
     # "did you mean", is the one to show first, wherever pydantic listed it.
-    err = next((e for e in errors if e["type"] == "extra_forbidden" and _close_field(tuple(e.get("loc", ())))),
-               errors[0])
+    err = next(
+        (e for e in errors if e["type"] == "extra_forbidden" and _close_field(tuple(e.get("loc", ())))), errors[0]
+    )
     loc = tuple(err.get("loc", ()))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, _Problem):
@@ -451,7 +512,7 @@ def _error_line(exc: ValidationError) -> str:
     else:
         msg = err["msg"]
         if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
         line = f"{_loc_str(loc) or '(top level)'}: {msg}"
     if len(errors) > 1:
         line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
@@ -482,8 +543,9 @@ def _mapping_no_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool =
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_no_duplicates)
 # YAML 1.1 (PyYAML) reads 5e-2 and 1e6 as strings: its floats need a dot.  They are numbers here, as in YAML 1.2 and
 # in --fault parameters.
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 class TooDeep(yaml.YAMLError):
@@ -525,8 +587,9 @@ def _load_file(path: Path, shown: str) -> Scenario:
             if not path.is_file():
                 raise ScenarioError(f"{shown}: not a regular file (a device or a pipe); give a scenario file")
             if path.stat().st_size > MAX_FILE_BYTES:
-                raise ScenarioError(f"{shown}: {path.stat().st_size:,} bytes; a scenario file is at most "
-                                    f"{MAX_FILE_BYTES:,}")
+                raise ScenarioError(
+                    f"{shown}: {path.stat().st_size:,} bytes; a scenario file is at most {MAX_FILE_BYTES:,}"
+                )
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ScenarioError(f"{shown}: no such scenario file") from None
@@ -539,8 +602,9 @@ def _load_file(path: Path, shown: str) -> Scenario:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark is not None else shown
-        raise ScenarioError(_one_line(f"{where}: invalid YAML: {exc.problem or exc.context or 'syntax error'}")) \
-            from None
+        raise ScenarioError(
+            _one_line(f"{where}: invalid YAML: {exc.problem or exc.context or 'syntax error'}")
+        ) from None
     except yaml.YAMLError as exc:
         raise ScenarioError(_one_line(f"{shown}: invalid YAML: {exc}")) from None
     return from_dict(data, shown)
@@ -554,8 +618,7 @@ def load(path_or_name: str | os.PathLike[str]) -> Scenario:
     """
     given = os.fspath(path_or_name)
     names = builtin_names()
-    looks_like_path = (not isinstance(path_or_name, str) or os.sep in given or "/" in given
-                       or given.endswith(_SUFFIXES))
+    looks_like_path = not isinstance(path_or_name, str) or os.sep in given or "/" in given or given.endswith(_SUFFIXES)
     if not looks_like_path:
         if given in names:
             path = builtin_dir() / f"{given}.yaml"
@@ -565,8 +628,9 @@ def load(path_or_name: str | os.PathLike[str]) -> Scenario:
         listing = ", ".join(names) if names else f"none found in {builtin_dir()} (set EPSIM_SCENARIO_DIR)"
         close = difflib.get_close_matches(given, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ScenarioError(f"unknown scenario '{given}': {hint}built-ins are {listing}; "
-                            f"or give a path to a .yaml file")
+        raise ScenarioError(
+            f"unknown scenario '{given}': {hint}built-ins are {listing}; or give a path to a .yaml file"
+        )
     return _load_file(Path(given), given)
 
 
@@ -596,7 +660,7 @@ def _merge(node: dict[str, Any], key_path: list[str], value: Any, shown: str) ->
     """Set ``key_path`` in ``node`` to ``value``; a mapping merges into a mapping (a list's entries included),
     anything else replaces.  A key that is a number indexes a list (``timeline.0.to``)."""
     for i, key in enumerate(key_path[:-1]):
-        node = _child(node, key, key_path[:i + 1], shown)
+        node = _child(node, key, key_path[: i + 1], shown)
     last, value = key_path[-1], _plain(value)
     if isinstance(node, list):
         index = _index(node, last, key_path, shown)
@@ -618,8 +682,9 @@ def _index(node: list, key: str, path: list[str], shown: str) -> int:
         where = ".".join(path[:-1])
         if not node:
             raise ScenarioError(f"override {shown}: {where} is empty; set it whole ({where}=[...])")
-        raise ScenarioError(f"override {shown}: {'.'.join(path)}: {where} has {len(node)} entries, "
-                            f"index them 0..{len(node) - 1}")
+        raise ScenarioError(
+            f"override {shown}: {'.'.join(path)}: {where} has {len(node)} entries, index them 0..{len(node) - 1}"
+        )
     return int(key)
 
 
@@ -651,8 +716,9 @@ def with_overrides(scenario: Scenario, **changes: Any) -> Scenario:
 
 def to_yaml(scenario: Scenario) -> str:
     """The scenario as YAML in schema order, every field written; :func:`load` of it gives an equal one."""
-    return yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False, default_flow_style=False,
-                          allow_unicode=True, width=120)
+    return yaml.safe_dump(
+        scenario.model_dump(mode="json"), sort_keys=False, default_flow_style=False, allow_unicode=True, width=120
+    )
 
 
 def dump(scenario: Scenario, path: str | os.PathLike[str]) -> Path:

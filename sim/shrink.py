@@ -58,10 +58,10 @@ def _candidates(cur: Candidate) -> Iterator[Candidate]:
         yield Candidate(sc, faults[half:], f"faults {', '.join(faults[:half])}")
         yield Candidate(sc, faults[:half], f"faults {', '.join(faults[half:])}")
     for i, f in enumerate(faults):
-        yield Candidate(sc, faults[:i] + faults[i + 1:], f"fault {f}")
+        yield Candidate(sc, faults[:i] + faults[i + 1 :], f"fault {f}")
     events = [e.model_dump(mode="python") for e in sc.timeline]
     for i in reversed(range(len(events))):
-        v = _variant(sc, timeline=events[:i] + events[i + 1:])
+        v = _variant(sc, timeline=events[:i] + events[i + 1 :])
         if v is not None:
             e = events[i]
             yield Candidate(v, faults, f"elastic event {e['kind']} at step {e['at_step']}")
@@ -69,20 +69,26 @@ def _candidates(cur: Candidate) -> Iterator[Candidate]:
         first = events[0]
         v = _variant(sc, ranks=first["to"], timeline=events[1:])
         if v is not None:
-            yield Candidate(v, faults, f"elastic event {first['kind']} at step {first['at_step']} "
-                                       f"(starting at EP{first['to']} instead)")
+            yield Candidate(
+                v,
+                faults,
+                f"elastic event {first['kind']} at step {first['at_step']} (starting at EP{first['to']} instead)",
+            )
     for i in range(len(events) - 1):  # a change undone by the next one
-        v = _variant(sc, timeline=events[:i] + events[i + 2:])
+        v = _variant(sc, timeline=events[:i] + events[i + 2 :])
         if v is not None:
-            yield Candidate(v, faults, f"elastic events {events[i]['kind']} at step {events[i]['at_step']} and "
-                                       f"{events[i + 1]['kind']} at step {events[i + 1]['at_step']}")
+            yield Candidate(
+                v,
+                faults,
+                f"elastic events {events[i]['kind']} at step {events[i]['at_step']} and "
+                f"{events[i + 1]['kind']} at step {events[i + 1]['at_step']}",
+            )
     for i, e in enumerate(events):  # a smaller change
         if e["kind"] in ("scale_up", "scale_down") and e["to"] > 1:
             smaller = dict(e, to=e["to"] - 1)
-            v = _variant(sc, timeline=events[:i] + [smaller] + events[i + 1:])
+            v = _variant(sc, timeline=events[:i] + [smaller] + events[i + 1 :])
             if v is not None:
-                yield Candidate(v, faults, f"one rank of the {e['kind']} at step {e['at_step']} "
-                                           f"(to EP{e['to'] - 1})")
+                yield Candidate(v, faults, f"one rank of the {e['kind']} at step {e['at_step']} (to EP{e['to'] - 1})")
     if sc.ranks > 1:
         v = _variant(sc, ranks=sc.ranks - 1)
         if v is not None:
@@ -112,8 +118,13 @@ def _shrunk_description(original, removed: list[str]) -> str:
     return f"{original.name}{before}, shrunk by epsim shrink, which took away: {'; '.join(removed)}"
 
 
-def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 200,
-           on_step: Callable[[str, bool], None] | None = None) -> ShrinkResult:
+def shrink(
+    path: str | Path,
+    out: str | Path | None = None,
+    *,
+    max_runs: int = 200,
+    on_step: Callable[[str, bool], None] | None = None,
+) -> ShrinkResult:
     """Shrink the bundle at ``path``; the smallest failing configuration is written as a new bundle at ``out``
     (default: the bundle's folder with ``-shrunk`` appended)."""
     from .run import run_scenario, same_signature
@@ -134,8 +145,10 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
         return same_signature(want, r.signature)
 
     if not fails_the_same(cur):  # no failure to keep: every candidate would be refused, and the bundle is stale
-        raise NotReproduced(f"{b.path} no longer fails as {want}: the run gives {result.last_signature}; "
-                            f"`epsim replay {b.path}` shows the run")
+        raise NotReproduced(
+            f"{b.path} no longer fails as {want}: the run gives {result.last_signature}; "
+            f"`epsim replay {b.path}` shows the run"
+        )
     progress = True
     while progress and result.runs < max_runs:
         progress = False
@@ -154,10 +167,17 @@ def shrink(path: str | Path, out: str | Path | None = None, *, max_runs: int = 2
     target = Path(out) if out is not None else default_target(b.path)
     written = cur.scenario
     if result.removed:  # the original's description ("EP2 grows to EP4") no longer says what this one runs
-        written = scenario_mod.with_overrides(written, description=_shrunk_description(result.original.scenario,
-                                                                                       result.removed))
-    bundle_mod.write_config(target, written, seed=seed, strategy=strategy, profile=profile,
-                            faults=cur.faults, extra={"shrunk_from": str(b.path), "removed": result.removed,
-                                                      "shrink_runs": result.runs})
+        written = scenario_mod.with_overrides(
+            written, description=_shrunk_description(result.original.scenario, result.removed)
+        )
+    bundle_mod.write_config(
+        target,
+        written,
+        seed=seed,
+        strategy=strategy,
+        profile=profile,
+        faults=cur.faults,
+        extra={"shrunk_from": str(b.path), "removed": result.removed, "shrink_runs": result.runs},
+    )
     result.bundle = target
     return result

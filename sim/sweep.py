@@ -44,8 +44,7 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        body = json.dumps([self.scenario_digest, self.seed, self.strategy, self.profile, list(self.faults),
-                           self.swarm])
+        body = json.dumps([self.scenario_digest, self.seed, self.strategy, self.profile, list(self.faults), self.swarm])
         return hashlib.sha256(body.encode()).hexdigest()[:24]
 
     def load_scenario(self):
@@ -68,13 +67,21 @@ def parse_seeds(text: str) -> range:
     if hi - 1 > MAX_SEED:
         raise ScenarioError(f"--seeds {text!r}: seeds go up to {MAX_SEED} (what the results database stores)")
     if hi - lo > MAX_RUNS:
-        raise ScenarioError(f"--seeds {text!r}: {hi - lo} seeds; one sweep plans at most {MAX_RUNS:,} runs, so split "
-                            f"it (--resume continues a database)")
+        raise ScenarioError(
+            f"--seeds {text!r}: {hi - lo} seeds; one sweep plans at most {MAX_RUNS:,} runs, so split "
+            f"it (--resume continues a database)"
+        )
     return range(lo, hi)
 
 
-def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profiles: Iterable[str] = (),
-         faults: Iterable[str] = (), swarm: bool = False) -> list[RunSpec]:
+def plan(
+    scenario_ref: str,
+    seeds: range,
+    strategies: Iterable[str] = (),
+    profiles: Iterable[str] = (),
+    faults: Iterable[str] = (),
+    swarm: bool = False,
+) -> list[RunSpec]:
     """Every run of the sweep, in a fixed order (seed-major, so early results cover every configuration)."""
     from fakes.nixl.profiles import PROFILES
 
@@ -99,10 +106,16 @@ def plan(scenario_ref: str, seeds: range, strategies: Iterable[str] = (), profil
     fault_catalogue.arm(sc.faults, armed)  # with the scenario's own: none armed twice
     faults = tuple(str(a) for a in armed)  # checked, and written one way
     if len(seeds) * len(strategies) * len(profiles) > MAX_RUNS:
-        raise ScenarioError(f"{len(seeds)} seeds x {len(strategies)} strategies x {len(profiles)} profiles: one sweep "
-                            f"plans at most {MAX_RUNS:,} runs, so split it (--resume continues a database)")
-    return [RunSpec(sc.name, text, seed, strategy, profile, faults, swarm)
-            for seed in seeds for strategy in strategies for profile in profiles]
+        raise ScenarioError(
+            f"{len(seeds)} seeds x {len(strategies)} strategies x {len(profiles)} profiles: one sweep "
+            f"plans at most {MAX_RUNS:,} runs, so split it (--resume continues a database)"
+        )
+    return [
+        RunSpec(sc.name, text, seed, strategy, profile, faults, swarm)
+        for seed in seeds
+        for strategy in strategies
+        for profile in profiles
+    ]
 
 
 # -- one run, wherever it executes --------------------------------------------------------------------------------
@@ -123,30 +136,57 @@ def execute(spec: RunSpec, out: str | Path | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         sc = spec.load_scenario()
-        result = run_scenario(sc, seed=spec.seed, strategy=spec.strategy, profile=spec.profile,
-                              faults=armed_faults(spec, sc), out=out)
+        result = run_scenario(
+            sc, seed=spec.seed, strategy=spec.strategy, profile=spec.profile, faults=armed_faults(spec, sc), out=out
+        )
     except Exception as exc:  # noqa: BLE001 - recorded, and the sweep goes on
         return failed_row(spec, "error", f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
     row = base_row(spec)
-    row.update(verdict=result.verdict, invariant=result.invariant, detail=result.detail,
-               signature=result.signature, trace_hash=result.trace_hash, events=result.events,
-               sim_time_s=result.sim_time_s, wall_s=result.wall_s, faults_armed=result.faults_armed,
-               faults_fired=result.faults_fired, implicated=result.implicated, metrics=result.metrics)
+    row.update(
+        verdict=result.verdict,
+        invariant=result.invariant,
+        detail=result.detail,
+        signature=result.signature,
+        trace_hash=result.trace_hash,
+        events=result.events,
+        sim_time_s=result.sim_time_s,
+        wall_s=result.wall_s,
+        faults_armed=result.faults_armed,
+        faults_fired=result.faults_fired,
+        implicated=result.implicated,
+        metrics=result.metrics,
+    )
     return row
 
 
 def base_row(spec: RunSpec) -> dict[str, Any]:
-    return {"run_key": spec.key, "scenario": spec.scenario, "scenario_digest": spec.scenario_digest,
-            "seed": spec.seed, "strategy": spec.strategy, "profile": spec.profile,
-            "faults_requested": list(spec.faults), "swarm": int(spec.swarm), "faults_armed": list(spec.faults),
-            "faults_fired": {}, "implicated": [], "metrics": {}, "finished_at": time.time()}
+    return {
+        "run_key": spec.key,
+        "scenario": spec.scenario,
+        "scenario_digest": spec.scenario_digest,
+        "seed": spec.seed,
+        "strategy": spec.strategy,
+        "profile": spec.profile,
+        "faults_requested": list(spec.faults),
+        "swarm": int(spec.swarm),
+        "faults_armed": list(spec.faults),
+        "faults_fired": {},
+        "implicated": [],
+        "metrics": {},
+        "finished_at": time.time(),
+    }
 
 
 def failed_row(spec: RunSpec, verdict: str, detail: str, wall_s: float) -> dict[str, Any]:
     """The row of a run that did not finish: it raised, hung past the timeout, or took its process down."""
     row = base_row(spec)
-    row.update(verdict=verdict, invariant=verdict, detail=detail, signature=f"{verdict}|{spec.strategy}|-",
-               wall_s=round(wall_s, 3))
+    row.update(
+        verdict=verdict,
+        invariant=verdict,
+        detail=detail,
+        signature=f"{verdict}|{spec.strategy}|-",
+        wall_s=round(wall_s, 3),
+    )
     return row
 
 
@@ -170,8 +210,16 @@ class SweepOutcome:
     wall_s: float
 
 
-def run_sweep(specs: list[RunSpec], db, engine, *, resume: bool, bundles_dir: Path, command: str,
-              on_result: Callable[[dict[str, Any]], None] | None = None) -> SweepOutcome:
+def run_sweep(
+    specs: list[RunSpec],
+    db,
+    engine,
+    *,
+    resume: bool,
+    bundles_dir: Path,
+    command: str,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> SweepOutcome:
     from . import bundle as bundle_mod
 
     started = time.time()
@@ -179,8 +227,10 @@ def run_sweep(specs: list[RunSpec], db, engine, *, resume: bool, bundles_dir: Pa
     todo = [s for s in specs if s.key not in stored]
     skipped = len(specs) - len(todo)
     if skipped and not resume:
-        raise ScenarioError(f"{db.path} already holds {skipped} of these {len(specs)} runs; pass --resume to run "
-                            "only the missing ones, or another --db")
+        raise ScenarioError(
+            f"{db.path} already holds {skipped} of these {len(specs)} runs; pass --resume to run "
+            "only the missing ones, or another --db"
+        )
     sweep_id = db.new_sweep(command, len(specs), started)
     bundled = db.bundled_signatures()
     verdicts: dict[str, int] = {}

@@ -58,7 +58,7 @@ class Records(Sequence):
     def chunks(self, size: int) -> Iterator[tuple[list[float], list[str], list[dict[str, Any]]]]:
         """(times, kinds, fields) of ``size`` records at a time, in order: what the trace hash writes."""
         for i in range(0, len(self._t), size):
-            yield self._t[i:i + size], self._kind[i:i + size], self._fields[i:i + size]
+            yield self._t[i : i + size], self._kind[i : i + size], self._fields[i : i + size]
 
 
 ENGINE_TRACK = 1  # the Perfetto process track of records that belong to no simulated process (the engine's)
@@ -129,15 +129,35 @@ class History:
             names.setdefault(track, f"pid {pid}")
             thread = fields.get("thread")
             tid = tids.setdefault((track, thread), len(tids) + 1) if isinstance(thread, str) else 0
-            events.append({"name": kind, "ph": "i", "s": "t", "ts": t * 1e6, "pid": track, "tid": tid,
-                           "args": {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                    for k, v in fields.items()}})
+            events.append(
+                {
+                    "name": kind,
+                    "ph": "i",
+                    "s": "t",
+                    "ts": t * 1e6,
+                    "pid": track,
+                    "tid": tid,
+                    "args": {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in fields.items()},
+                }
+            )
         for what, start, end in spans:
-            events.append({"name": what, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
-                           "pid": ENGINE_TRACK, "tid": 1})
-        meta = [{"name": "process_name", "ph": "M", "pid": track, "tid": 0, "args": {"name": name}}
-                for track, name in sorted(names.items())]
-        meta += [{"name": "thread_name", "ph": "M", "pid": track, "tid": tid, "args": {"name": thread}}
-                 for (track, thread), tid in tids.items()]
+            events.append(
+                {
+                    "name": what,
+                    "ph": "X",
+                    "ts": start * 1e6,
+                    "dur": max(0.0, end - start) * 1e6,
+                    "pid": ENGINE_TRACK,
+                    "tid": 1,
+                }
+            )
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": track, "tid": 0, "args": {"name": name}}
+            for track, name in sorted(names.items())
+        ]
+        meta += [
+            {"name": "thread_name", "ph": "M", "pid": track, "tid": tid, "args": {"name": thread}}
+            for (track, thread), tid in tids.items()
+        ]
         with open(path, "w") as out:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, out)

@@ -42,8 +42,7 @@ class Worker:
         n, hidden, tensors = sc.model.local_experts, sc.model.hidden, sc.model.tensors_per_layer
         # Expert weights keep their storage for the worker's whole life (as vLLM's do), so registrations of them
         # stay meaningful across reconfigurations; expert_buffer likewise.
-        self.weights = [[torch.full((n, hidden), float("nan")) for _ in range(tensors)]
-                        for _ in range(sc.model.layers)]
+        self.weights = [[torch.full((n, hidden), float("nan")) for _ in range(tensors)] for _ in range(sc.model.layers)]
         self.buffer = [torch.full((n, hidden), float("nan")) for _ in range(tensors)]
         self._tensors = tensors
         self.retired_buffers: list[list[torch.Tensor]] = []
@@ -172,14 +171,22 @@ class Worker:
             seed = derive_seed(self.kernel.seed, f"all2all@{self.pid}@{self.cluster.timeline.step}") % (1 << 63)
             gen = torch.Generator().manual_seed(seed)
             faults = self.cluster.faults
-            skew = buf.low_latency_mode and faults.take(
-                {"all2all.parity_skew": WORKER_SITES["all2all.parity_skew"]}, self.pid, "LL dispatch") is not None
+            skew = (
+                buf.low_latency_mode
+                and faults.take({"all2all.parity_skew": WORKER_SITES["all2all.parity_skew"]}, self.pid, "LL dispatch")
+                is not None
+            )
             stale = None
-            if self.a2a_handle is not None and self.a2a_handle[0]() is not buf and faults.take(
-                    {"all2all.stale_handle": WORKER_SITES["all2all.stale_handle"]}, self.pid, "handle") is not None:
+            if (
+                self.a2a_handle is not None
+                and self.a2a_handle[0]() is not buf
+                and faults.take({"all2all.stale_handle": WORKER_SITES["all2all.stale_handle"]}, self.pid, "handle")
+                is not None
+            ):
                 stale = self.a2a_handle[1]
-            problem, handle = forward(buf, self.group.rank(), self.group.size(), gen, extra_dispatch=skew,
-                                      stale_handle=stale)
+            problem, handle = forward(
+                buf, self.group.rank(), self.group.size(), gen, extra_dispatch=skew, stale_handle=stale
+            )
             self.a2a_handle = (weakref.ref(buf), handle)  # DeepEP's handle is tensors: it keeps no buffer alive
             self.cluster.oracles.all2all_checked(self.pid, problem)
         step = self.cluster.scenario.serving.step_time_s
@@ -230,8 +237,9 @@ class Worker:
         consumed, self.consumed = self.consumed, None
         consumed.succeed()
 
-    def do_rearrange(self, old: Placement, new: Placement, mapping: dict[int, int] | None, use_async: bool,
-                     skip: bool = False) -> None:
+    def do_rearrange(
+        self, old: Placement, new: Placement, mapping: dict[int, int] | None, use_async: bool, skip: bool = False
+    ) -> None:
         """EPLB rearrange: all-reduce the load, then move every layer through the communicator (``use_async``: on
         the async EPLB thread, at most one layer per forward step, while the main thread keeps serving; ``skip``:
         the policy's placement gains too little, nothing moves)."""
@@ -245,8 +253,9 @@ class Worker:
             return
         if use_async:
             self.rebalanced = True
-            self.async_thread = self.kernel.spawn(self.other_thread_name(), self._move, old, new, mapping, True,
-                                                  pid=self.pid, daemon=True)
+            self.async_thread = self.kernel.spawn(
+                self.other_thread_name(), self._move, old, new, mapping, True, pid=self.pid, daemon=True
+            )
         else:
             self._move(old, new, mapping, False)
 
@@ -315,8 +324,9 @@ class Worker:
         # The move runs on the group this worker's communicator belongs to: the old group for a scale-down
         # (before commit), the new one for a scale-up (after commit), so the group rank is the move's rank.
         comm, rank = self.comm, self.group.rank()
-        lag = self.cluster.faults.take({"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid,
-                                       "expert copies")
+        lag = self.cluster.faults.take(
+            {"device.stream_lag": WORKER_SITES["device.stream_lag"]}, self.pid, "expert copies"
+        )
         self.stream.lag_s = float(lag.params.get("delay_s", 0.01)) if lag is not None else 0.0
         loop = vllm_move_loop.of(self.factory)  # vLLM's own rebalance_execute, for vLLM's communicator
         self.cluster.vllm_moved |= loop is not None
@@ -324,11 +334,25 @@ class Worker:
         if loop is not None and at_once:
             for layer in range(old.num_layers):
                 self.cluster.recvs_planned += len(self.cluster.plan(old, new, layer, mapping)[rank].recvs)
-            loop.rearrange(old.physical_to_logical, new.physical_to_logical, self.weights, self.buffer, self.group,
-                           comm, mapping, self.stream)
+            loop.rearrange(
+                old.physical_to_logical,
+                new.physical_to_logical,
+                self.weights,
+                self.buffer,
+                self.group,
+                comm,
+                mapping,
+                self.stream,
+            )
             # Its row copies' host time (host memory, calibrated), after the layers: the loop is vLLM's, unmodified.
-            self._copying(sum(self._row_copies(self.cluster.plan(old, new, layer, mapping)[rank])
-                              for layer in range(old.num_layers)) * self._tensors, "vLLM's row copies")
+            self._copying(
+                sum(
+                    self._row_copies(self.cluster.plan(old, new, layer, mapping)[rank])
+                    for layer in range(old.num_layers)
+                )
+                * self._tensors,
+                "vLLM's row copies",
+            )
         for layer in range(0 if at_once else old.num_layers):
             old_idx, _ = self.cluster.indices(old, new, layer, mapping)
             plan = self.cluster.plan(old, new, layer, mapping)[rank]
@@ -337,8 +361,9 @@ class Worker:
                 # move_layer, with the host time of its row copies where they are memcpy (host memory, calibrated):
                 # the local copies staged before the READs, the rest out of expert_buffer after the barrier.
                 self._copying(len(plan.local_copies) * self._tensors, "staging local copies")
-                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                    self.stream)
+                move.transfer_layer(
+                    comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, self.stream
+                )
                 move.issue_move_from_buffer(self.weights[layer], self.buffer, plan, self._rows, self.stream, layer)
                 self._copying((self._row_copies(plan) - len(plan.local_copies)) * self._tensors, "move_from_buffer")
                 continue
@@ -359,15 +384,34 @@ class Worker:
                 self.history("eplb.stopped", layer=layer)
                 break
             if loop is None:
-                move.transfer_layer(comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows,
-                                    self.stream)
-                take = functools.partial(move.issue_move_from_buffer, self.weights[layer], self.buffer, plan,
-                                         self._rows, self.stream, layer)
+                move.transfer_layer(
+                    comm, layer, old_idx, self.weights[layer], self.buffer, plan, self._rows, self.stream
+                )
+                take = functools.partial(
+                    move.issue_move_from_buffer, self.weights[layer], self.buffer, plan, self._rows, self.stream, layer
+                )
             else:
-                meta = loop.transfer_layer(layer, old.physical_to_logical, new.physical_to_logical,
-                                           self.weights[layer], self.buffer, self.group, comm, mapping, self.stream)
-                take = functools.partial(loop.move_from_buffer, layer, new.physical_to_logical, meta,
-                                         self.weights[layer], self.buffer, rank, self.stream)
+                meta = loop.transfer_layer(
+                    layer,
+                    old.physical_to_logical,
+                    new.physical_to_logical,
+                    self.weights[layer],
+                    self.buffer,
+                    self.group,
+                    comm,
+                    mapping,
+                    self.stream,
+                )
+                take = functools.partial(
+                    loop.move_from_buffer,
+                    layer,
+                    new.physical_to_logical,
+                    meta,
+                    self.weights[layer],
+                    self.buffer,
+                    rank,
+                    self.stream,
+                )
             self.stream.synchronize("async EPLB: the experts stream after a layer's transfers")
             self.consumed = self.kernel.env.event()
             self.pending = (layer, take)
@@ -398,8 +442,17 @@ class Worker:
         # counted as fired on real ranks only.
         fired = self.cluster.faults.take_prepare(self.pid, build_step)
         done = self.kernel.env.event()
-        self.kernel.spawn(f"elastic-prepare@{self.pid}", self._prepare, group, prepare_s, done,
-                          fired["storage.move"], fired["peer.restart"], pid=self.pid, daemon=True)
+        self.kernel.spawn(
+            f"elastic-prepare@{self.pid}",
+            self._prepare,
+            group,
+            prepare_s,
+            done,
+            fired["storage.move"],
+            fired["peer.restart"],
+            pid=self.pid,
+            daemon=True,
+        )
         return done
 
     def _prepare(self, group, prepare_s: float, done, storage_move: bool, peer_restart: bool) -> None:
@@ -458,11 +511,13 @@ class Worker:
     def _start_group_cleanup(self, retired) -> None:
         """The retired group's manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while
         the new group serves."""
-        late = self.cluster.faults.take({"all2all.cleanup_late": WORKER_SITES["all2all.cleanup_late"]}, self.pid,
-                                        "all2all cleanup")
+        late = self.cluster.faults.take(
+            {"all2all.cleanup_late": WORKER_SITES["all2all.cleanup_late"]}, self.pid, "all2all cleanup"
+        )
         delay = float(late.params.get("delay_s", 1.0)) if late is not None else 0.0
-        self.cleanup_thread = self.kernel.spawn(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay,
-                                                pid=self.pid, daemon=True)
+        self.cleanup_thread = self.kernel.spawn(
+            f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay, pid=self.pid, daemon=True
+        )
 
     def _cleanup_all2all(self, manager, delay: float) -> None:
         if delay > 0:

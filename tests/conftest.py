@@ -32,17 +32,23 @@ def epsim_here(*args: str) -> subprocess.CompletedProcess:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     return subprocess.CompletedProcess(["epsim", *args], code, out.getvalue(), err.getvalue())
 
-def epsim_loading(*args: str, watch: tuple[str, ...],
-                  timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
+
+def epsim_loading(
+    *args: str, watch: tuple[str, ...], timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     """The ``epsim`` command in a fresh interpreter, and which of the modules ``watch`` it had imported when it
     ended (its output, less the last line of stdout, which the probe adds)."""
-    probe = ("import json, sys\nfrom sim import cli\ntry:\n    cli.main(sys.argv[2:])\nexcept SystemExit:\n"
-             "    pass\nprint(json.dumps(sorted(m for m in sys.argv[1].split(',') if m in sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", probe, ",".join(watch), *args], capture_output=True, text=True,
-                          timeout=timeout)
+    probe = (
+        "import json, sys\nfrom sim import cli\ntry:\n    cli.main(sys.argv[2:])\nexcept SystemExit:\n"
+        "    pass\nprint(json.dumps(sorted(m for m in sys.argv[1].split(',') if m in sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, ",".join(watch), *args], capture_output=True, text=True, timeout=timeout
+    )
     *out, loaded = done.stdout.splitlines()
-    return subprocess.CompletedProcess(["epsim", *args], done.returncode, "".join(f"{line}\n" for line in out),
-                                       done.stderr), json.loads(loaded)
+    return subprocess.CompletedProcess(
+        ["epsim", *args], done.returncode, "".join(f"{line}\n" for line in out), done.stderr
+    ), json.loads(loaded)
 
 
 def started_as(out) -> list[str]:
@@ -101,9 +107,12 @@ SLOW = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow") + os.sep
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--slow", action="store_true",
-                     help="also run the exhaustive tier (tests marked slow, and tests/slow/): every seed, "
-                          "parameter and matrix cell where the default run checks a sample")
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the exhaustive tier (tests marked slow, and tests/slow/): every seed, "
+        "parameter and matrix cell where the default run checks a sample",
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:

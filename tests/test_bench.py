@@ -28,8 +28,23 @@ def test_scaling_shape_grows_with_ranks() -> None:
 
 
 def test_bench_json_has_a_key_per_figure_with_target_and_verdict() -> None:
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--only", "kernel_overhead",
-                           "--only", "scaling", "--json"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "bench",
+            "--quick",
+            "--only",
+            "kernel_overhead",
+            "--only",
+            "scaling",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert set(out) == {"quick", "kernel_overhead", "scaling"}
@@ -37,8 +52,9 @@ def test_bench_json_has_a_key_per_figure_with_target_and_verdict() -> None:
     assert 0 < out["kernel_overhead"]["64"]["ratio"] < 2 and out["kernel_overhead"]["1024"]["waits"] > 0
     assert [p["ranks"] for p in out["scaling"]["points"]] == [8, 16, 32, 64]
     assert all(p["verdict"] == "pass" for p in out["scaling"]["points"])
-    bad = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--only", "speed"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "bench", "--only", "speed"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "figures are kernel_overhead" in bad.stderr
 
 
@@ -46,13 +62,21 @@ def test_bench_on_cuda_without_a_gpu_is_one_line_before_any_figure() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the refusal is for hosts without one")
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--device", "cuda", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "bench", "--quick", "--device", "cuda", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == ["epsim: error: --device cuda needs a CUDA GPU; none is visible here"]
     # A selection without the transfers figure has no use for the GPU: --device does not stop it.
-    cheap = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "--quick", "--only", "time_to_detect",
-                            "--device", "cuda", "--json"], capture_output=True, text=True, timeout=300)
+    cheap = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "bench", "--quick", "--only", "time_to_detect", "--device", "cuda", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cheap.returncode == 0, cheap.stderr
     assert set(json.loads(cheap.stdout)) == {"quick", "time_to_detect"}
 
@@ -63,8 +87,11 @@ def test_sweep_throughput_measures_every_arm_twice_interleaved(monkeypatch) -> N
     order = []
     real_plain, real_through = sweeps._plain, sweeps._through
     monkeypatch.setattr(sweeps, "_plain", lambda specs: order.append(("plain", specs[0].seed)) or real_plain(specs))
-    monkeypatch.setattr(sweeps, "_through", lambda specs, engine: order.append(
-        (f"local{engine.workers}", specs[0].seed)) or real_through(specs, engine))
+    monkeypatch.setattr(
+        sweeps,
+        "_through",
+        lambda specs, engine: order.append((f"local{engine.workers}", specs[0].seed)) or real_through(specs, engine),
+    )
     out = sweeps.throughput(runs=3, ray=False)
     assert [arm for arm, _ in order] == ["plain", "local1", "local2", "local2", "local1", "plain"]
     assert len({seed for _, seed in order}) == 6  # fresh seeds for every pass
@@ -83,11 +110,14 @@ def test_careful_strategy_still_leaves_departed_peers_loaded_while_its_finalizer
     assert (r.verdict, r.invariant) == ("safety", "stale_peer")
 
 
-@pytest.mark.parametrize("name, fault, expected", [
-    ("finalizer deregisters shared memory", None, ("crash", "exception")),
-    ("reused agent never re-registers moved storage", "storage.move", ("crash", "exception")),
-    ("peer cache never cleaned", None, ("safety", "stale_peer")),
-])
+@pytest.mark.parametrize(
+    "name, fault, expected",
+    [
+        ("finalizer deregisters shared memory", None, ("crash", "exception")),
+        ("reused agent never re-registers moved storage", "storage.move", ("crash", "exception")),
+        ("peer cache never cleaned", None, ("safety", "stale_peer")),
+    ],
+)
 def test_each_broken_copy_fails_its_way(name, fault, expected) -> None:
     r = run_scenario(load("elastic-cycle"), strategy=BROKEN[name], faults=[fault] if fault else [])
     assert (r.verdict, r.invariant) == expected, r.detail

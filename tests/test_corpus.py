@@ -16,8 +16,11 @@ BUNDLES = sorted(p for p in CORPUS.iterdir() if (p / "failure.json").is_file()) 
 
 def test_the_corpus_holds_the_issue_findings() -> None:
     names = {p.name for p in BUNDLES}
-    assert {"rocm-strict-duplicate-registration", "broken-finalizer-gc-late",
-            "vllm-0.33.0-cuda-copy-read-race"} <= names
+    assert {
+        "rocm-strict-duplicate-registration",
+        "broken-finalizer-gc-late",
+        "vllm-0.33.0-cuda-copy-read-race",
+    } <= names
 
 
 @pytest.mark.parametrize("path", BUNDLES, ids=[p.name for p in BUNDLES])

@@ -1,6 +1,7 @@
-"""The code passes ruff (pyflakes, pycodestyle, bugbear; the rules and their few exceptions are in pyproject.toml)
-and mypy (its settings are in pyproject.toml too): unused imports and names, undefined names, shadowed loop
-variables, a None where a value is needed and the like fail the suite, as CI runs it."""
+"""The code passes ruff's linter (pyflakes, pycodestyle, bugbear; the rules and their few exceptions are in
+pyproject.toml), is laid out as ruff's formatter lays it out, and passes mypy (its settings are in pyproject.toml
+too): unused imports and names, undefined names, shadowed loop variables, a None where a value is needed and the like
+fail the suite, as CI runs it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("sim", "fakes", "real_backends", "benchmarks", "tests")
 
 
 def test_ruff_finds_nothing() -> None:
@@ -18,8 +20,30 @@ def test_ruff_finds_nothing() -> None:
         import ruff  # noqa: F401 - installed with the dev extra, as ./dev and CI install it
     except ImportError:
         pytest.skip("ruff is not installed (pip install -e '.[dev]', as ./dev does)")
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "sim", "fakes", "real_backends", "benchmarks",
-                           "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", *PACKAGES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_ruff_format_changes_nothing() -> None:
+    """The code is laid out as ``ruff format`` lays it out (its settings are ruff's, in pyproject.toml): a change
+    is read for what it does, not for how its author wraps lines."""
+    try:
+        import ruff  # noqa: F401 - installed with the dev extra, as ./dev and CI install it
+    except ImportError:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]', as ./dev does)")
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *PACKAGES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -43,8 +67,13 @@ def test_the_product_does_not_import_the_benchmarks() -> None:
     for package in ("sim", "fakes", "real_backends"):
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert len(offenders) <= 1 and all(o.startswith("sim/cli.py:") for o in offenders), offenders

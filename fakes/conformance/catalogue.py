@@ -43,8 +43,15 @@ class Case:
 _UNSET = object()
 
 
-def case(expect: Any, *, transport: str = "cma", isolate: bool = False, needs: tuple[str, ...] = (),
-         hardened: Any = _UNSET, **by_profile: Any) -> Callable:
+def case(
+    expect: Any,
+    *,
+    transport: str = "cma",
+    isolate: bool = False,
+    needs: tuple[str, ...] = (),
+    hardened: Any = _UNSET,
+    **by_profile: Any,
+) -> Callable:
     """Register a check.  Keyword arguments name profiles whose hardware differs from ``dram`` (``rocm_strict``
     for ``rocm-strict``); ``hardened`` is what the fake does instead of a 1.5.1 bug in every profile but dram."""
 
@@ -53,9 +60,18 @@ def case(expect: Any, *, transport: str = "cma", isolate: bool = False, needs: t
         unknown = set(overrides) - set(PROFILES)
         if unknown:
             raise LookupError(f"case {fn.__name__}: unknown profiles {sorted(unknown)}")
-        CASES[fn.__name__] = Case(fn.__name__, fn, plain(expect), {k: plain(v) for k, v in overrides.items()},
-                                  transport, isolate or transport == "tcp", needs, (fn.__doc__ or "").strip(),
-                                  None if hardened is _UNSET else plain(hardened), hardened is not _UNSET)
+        CASES[fn.__name__] = Case(
+            fn.__name__,
+            fn,
+            plain(expect),
+            {k: plain(v) for k, v in overrides.items()},
+            transport,
+            isolate or transport == "tcp",
+            needs,
+            (fn.__doc__ or "").strip(),
+            None if hardened is _UNSET else plain(hardened),
+            hardened is not _UNSET,
+        )
         return fn
 
     return wrap

@@ -74,8 +74,12 @@ def judge(name: str, observed: list) -> dict[str, Any]:
     """pass or fail, with what was observed and expected."""
     c = CASES[name]
     observed = plain(observed)
-    return {"name": name, "outcome": "pass" if observed == c.expect else "fail", "observed": observed,
-            "expected": c.expect}
+    return {
+        "name": name,
+        "outcome": "pass" if observed == c.expect else "fail",
+        "observed": observed,
+        "expected": c.expect,
+    }
 
 
 # -- the MoE layer every case routes, and its single-process reference ------------------------------------------
@@ -88,8 +92,9 @@ def _inputs(ctx: Ctx, experts: int, hidden: int, tokens: int = 8, topk: int = 2,
     return xs, idxs, ws
 
 
-def _ht_round(ctx: Ctx, buf: Any, experts: int = 0, hidden: int = 256, seed: int = 0,
-              handle_from: Any = None) -> dict[str, bool]:
+def _ht_round(
+    ctx: Ctx, buf: Any, experts: int = 0, hidden: int = 256, seed: int = 0, handle_from: Any = None
+) -> dict[str, bool]:
     """One high-throughput dispatch, each rank's experts, and combine (on ``handle_from``'s handle when given: a
     dispatch there, the combine on ``buf``): what matched the reference."""
     experts = experts or 2 * ctx.n
@@ -99,15 +104,23 @@ def _ht_round(ctx: Ctx, buf: Any, experts: int = 0, hidden: int = 256, seed: int
     via = handle_from if handle_from is not None else buf
     per_rank, _, per_expert, in_rank, _ = via.get_dispatch_layout(idx, experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = via.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=idx, topk_weights=w)
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
     y = local_experts(recv_x.cpu(), recv_idx.cpu(), recv_w.cpu(), ctx.rank, per)
     combined, _, _ = buf.combine(y.to(ctx.device), handle)
     mine = range(ctx.rank * per, (ctx.rank + 1) * per)
     want_counts = [sum(int((i == e).sum()) for i in idxs) for e in mine]
     want_received = sum(int(any(int(e) in mine for e in row)) for i in idxs for row in i)
-    return {"combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
-            "counts": [int(c) for c in counts] == want_counts, "received": int(recv_x.shape[0]) == want_received}
+    return {
+        "combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
+        "counts": [int(c) for c in counts] == want_counts,
+        "received": int(recv_x.shape[0]) == want_received,
+    }
 
 
 HT_OK = {"combined": True, "counts": True, "received": True}
@@ -118,45 +131,58 @@ def _ht(ctx: Ctx, **kwargs: Any) -> Any:
     return ctx.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, **kwargs)
 
 
-def _ll(ctx: Ctx, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, rdma_bytes: int | None = None,
-        **kwargs: Any) -> Any:
+def _ll(
+    ctx: Ctx, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, rdma_bytes: int | None = None, **kwargs: Any
+) -> Any:
     """A low-latency buffer as vLLM's manager sizes it (the size hint)."""
     if rdma_bytes is None:
         rdma_bytes = ctx.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ctx.n, experts)
-    return ctx.Buffer(ctx.group, num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
-                      num_qps_per_rank=max(1, experts // ctx.n), explicitly_destroy=True, **kwargs)
+    return ctx.Buffer(
+        ctx.group,
+        num_nvl_bytes=0,
+        num_rdma_bytes=rdma_bytes,
+        low_latency_mode=True,
+        num_qps_per_rank=max(1, experts // ctx.n),
+        explicitly_destroy=True,
+        **kwargs,
+    )
 
 
-def _ll_round(ctx: Ctx, buf: Any, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, seed: int = 0,
-              hook: bool = False) -> dict[str, bool]:
+def _ll_round(
+    ctx: Ctx, buf: Any, experts: int, max_tokens: int = 16, hidden: int = HIDDEN_LL, seed: int = 0, hook: bool = False
+) -> dict[str, bool]:
     """One low-latency dispatch (bf16), each rank's experts on the packed rows, and combine: what matched."""
     per = experts // ctx.n
     xs, idxs, ws = _inputs(ctx, experts, hidden, seed=seed)
     x, idx, w = (t.to(ctx.device) for t in (xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank]))
-    recv_x, count, handle, _, recv_hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, use_fp8=False,
-                                                                   return_recv_hook=hook)
+    recv_x, count, handle, _, recv_hook = buf.low_latency_dispatch(
+        x, idx, max_tokens, experts, use_fp8=False, return_recv_hook=hook
+    )
     if hook:
         recv_hook()
     counts = [int(c) for c in count.cpu()]
     rx = recv_x.float().cpu()
     y = torch.zeros(rx.shape, dtype=torch.float32)
     for le in range(per):
-        y[le, :counts[le]] = expert(ctx.rank * per + le, rx[le, :counts[le]])
-    combined, _, combine_hook = buf.low_latency_combine(y.to(torch.bfloat16).to(ctx.device), idx, w, handle,
-                                                        return_recv_hook=hook)
+        y[le, : counts[le]] = expert(ctx.rank * per + le, rx[le, : counts[le]])
+    combined, _, combine_hook = buf.low_latency_combine(
+        y.to(torch.bfloat16).to(ctx.device), idx, w, handle, return_recv_hook=hook
+    )
     if hook:
         combine_hook()
     mine = range(ctx.rank * per, (ctx.rank + 1) * per)
     want_counts = [sum(int((i == e).sum()) for i in idxs) for e in mine]
-    return {"combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
-            "counts": counts == want_counts}
+    return {
+        "combined": matches(combined, reference(xs[ctx.rank].float(), idxs[ctx.rank], ws[ctx.rank])),
+        "counts": counts == want_counts,
+    }
 
 
 LL_OK = {"combined": True, "counts": True}
 
 
 def _outcome(fn: Callable[[], Any]) -> str:
-    """"ok", or the class name of what the call raised (the observation of an assertion)."""
+    """ "ok", or the class name of what the call raised (the observation of an assertion)."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the type is the observation
@@ -238,10 +264,20 @@ def calls_after_destroy(ctx: Ctx):
     buf.destroy()
     idx = torch.zeros(1, 1, dtype=torch.int64, device=ctx.device)
     x = torch.zeros(1, 256, dtype=torch.bfloat16, device=ctx.device)
-    return [_outcome(lambda: buf.get_dispatch_layout(idx, 2 * ctx.n)),
-            _outcome(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=idx.float(), num_tokens_per_rank=idx,
-                                         is_token_in_rank=idx.bool(), num_tokens_per_expert=idx)),
-            _outcome(buf.destroy)]
+    return [
+        _outcome(lambda: buf.get_dispatch_layout(idx, 2 * ctx.n)),
+        _outcome(
+            lambda: buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=idx.float(),
+                num_tokens_per_rank=idx,
+                is_token_in_rank=idx.bool(),
+                num_tokens_per_expert=idx,
+            )
+        ),
+        _outcome(buf.destroy),
+    ]
 
 
 @case({"second": HT_OK, "first": HT_OK}, ranks=2)
@@ -272,8 +308,10 @@ def handle_from_another_buffer_of_the_same_size(ctx: Ctx):
 def constructor_asserts(ctx: Ctx):
     """The C++ constructor's host assertions (RuntimeError, before anything is exchanged): buffer bytes not a multiple
     of 128, and RDMA bytes for an intranode group outside low-latency mode."""
-    return [_outcome(lambda: ctx.Buffer(ctx.group, num_nvl_bytes=1000)),
-            _outcome(lambda: ctx.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20))]
+    return [
+        _outcome(lambda: ctx.Buffer(ctx.group, num_nvl_bytes=1000)),
+        _outcome(lambda: ctx.Buffer(ctx.group, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20)),
+    ]
 
 
 # -- one rank --------------------------------------------------------------------------------------------------------
@@ -285,10 +323,19 @@ def one_rank_high_throughput(ctx: Ctx):
     idx = torch.zeros(2, 1, dtype=torch.int64, device=ctx.device)
     x = torch.zeros(2, 256, dtype=torch.bfloat16, device=ctx.device)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
-    out = [_outcome(lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                        num_tokens_per_expert=per_expert, topk_idx=idx,
-                                        topk_weights=idx.float())),
-           _outcome(lambda: buf.low_latency_dispatch(x, idx, 16, 2))]
+    out = [
+        _outcome(
+            lambda: buf.dispatch(
+                x,
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=idx,
+                topk_weights=idx.float(),
+            )
+        ),
+        _outcome(lambda: buf.low_latency_dispatch(x, idx, 16, 2)),
+    ]
     buf.destroy()
     return out
 
@@ -323,10 +370,14 @@ def ll_dispatch_asserts(ctx: Ctx):
     x, idx = xs[0].to(ctx.device), idxs[0].to(ctx.device)
     narrow = _inputs(ctx, 2, 256)
     hint = ctx.Buffer.get_low_latency_rdma_size_hint(16, HIDDEN_LL, ctx.n, 2)
-    calls = [({"hidden": 256}, lambda buf: buf.low_latency_dispatch(narrow[0][0].to(ctx.device),
-                                                                    narrow[1][0].to(ctx.device), 16, 2)),
-             ({"rdma_bytes": (hint // 2) // 128 * 128}, lambda buf: buf.low_latency_dispatch(x, idx, 16, 2)),
-             ({}, lambda buf: buf.low_latency_dispatch(x, idx, 16, 2, async_finish=True, return_recv_hook=True))]
+    calls = [
+        (
+            {"hidden": 256},
+            lambda buf: buf.low_latency_dispatch(narrow[0][0].to(ctx.device), narrow[1][0].to(ctx.device), 16, 2),
+        ),
+        ({"rdma_bytes": (hint // 2) // 128 * 128}, lambda buf: buf.low_latency_dispatch(x, idx, 16, 2)),
+        ({}, lambda buf: buf.low_latency_dispatch(x, idx, 16, 2, async_finish=True, return_recv_hook=True)),
+    ]
     out = []
     for sizes, call in calls:  # one buffer at a time
         buf = _ll(ctx, experts=2, **sizes)
@@ -368,7 +419,7 @@ def ll_combine_with_an_older_handle(ctx: Ctx):
     rx = recv_x.float().cpu()
     y = torch.zeros(rx.shape, dtype=torch.float32)
     for e in range(2):
-        y[e, :counts[e]] = expert(e, rx[e, :counts[e]])
+        y[e, : counts[e]] = expert(e, rx[e, : counts[e]])
     try:
         combined, _, _ = buf.low_latency_combine(y.to(torch.bfloat16).to(ctx.device), idx, w, handle)
         out: Any = matches(combined, reference(xs[0].float(), idxs[0], ws[0]))

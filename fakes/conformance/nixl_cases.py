@@ -61,9 +61,11 @@ def duplicate_agent_name(b: Backend):
     """Fact 1: two agents may share a name; a peer that knows the first refuses the second's metadata."""
     a1, a2, p = b.agent("A"), b.agent("A"), b.agent("P")
     p.add_remote_agent(a1.get_agent_metadata())
-    return [a1.get_agent_metadata() != a2.get_agent_metadata(),
-            observe(lambda: p.add_remote_agent(a2.get_agent_metadata())),
-            observe(lambda: p.add_remote_agent(a1.get_agent_metadata()).decode())]
+    return [
+        a1.get_agent_metadata() != a2.get_agent_metadata(),
+        observe(lambda: p.add_remote_agent(a2.get_agent_metadata())),
+        observe(lambda: p.add_remote_agent(a1.get_agent_metadata()).decode()),
+    ]
 
 
 # -- registration ------------------------------------------------------------------------------------------
@@ -105,9 +107,11 @@ def register_bad_descriptor_shapes(b: Backend):
     """Fact 5: 3-tuples or a missing mem_type log an error and become a TypeError; an Nx3 array is accepted."""
     a, t = b.agent("A"), b.buf(N)
     rows = np.array([list(b.xd(t)[0])], dtype=np.uint64)
-    return [observe(lambda: a.register_memory(b.xd(t), b.memory)),
-            observe(lambda: a.register_memory(b.rd(t))),
-            observe(lambda: a.register_memory(rows, b.memory) and None)]
+    return [
+        observe(lambda: a.register_memory(b.xd(t), b.memory)),
+        observe(lambda: a.register_memory(b.rd(t))),
+        observe(lambda: a.register_memory(rows, b.memory) and None),
+    ]
 
 
 @case("TypeError")
@@ -125,8 +129,10 @@ def register_degenerate_ranges(b: Backend):
     through CUDA (VRAM on an H200, or host memory once the process has a CUDA context) it refuses them with
     nixlBackendError; the fake does not model that classification."""
     a, t = b.agent("A"), b.buf(N)
-    return [observe(lambda: a.register_memory([(t.data_ptr(), 0, b.dev(t), "")], b.memory) and None),
-            observe(lambda: a.register_memory([(0x10, 16, b.dev(t), "")], b.memory) and None)]
+    return [
+        observe(lambda: a.register_memory([(t.data_ptr(), 0, b.dev(t), "")], b.memory) and None),
+        observe(lambda: a.register_memory([(0x10, 16, b.dev(t), "")], b.memory) and None),
+    ]
 
 
 @case("nixlBackendError", cuda=None, rocm_strict=None)
@@ -148,11 +154,13 @@ def deregister_matching(b: Backend):
     """Fact 8: exact match on (devId, addr, len), meta ignored; a second deregistration is NOT_FOUND."""
     a, t = b.agent("A"), b.buf(N)
     b.reg(a, t)
-    (addr, n, dev, _), = b.rd(t)
-    return [observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n // 2, dev, "")], b.memory))),
-            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev + 1, "")], b.memory))),
-            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "other")], b.memory))),
-            observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "")], b.memory)))]
+    ((addr, n, dev, _),) = b.rd(t)
+    return [
+        observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n // 2, dev, "")], b.memory))),
+        observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev + 1, "")], b.memory))),
+        observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "other")], b.memory))),
+        observe(lambda: a.deregister_memory(a.get_reg_descs([(addr, n, dev, "")], b.memory))),
+    ]
 
 
 @case(["nixlNotFoundError", True, "ok", "nixlNotFoundError", None])
@@ -168,8 +176,13 @@ def deregister_all_or_nothing(b: Backend):
     outcome = observe(lambda: a.deregister_memory(a.get_reg_descs(bad, b.memory)))
     as_local = observe(lambda: a.initialize_xfer("READ", b.descs(a, t), b.descs(a, u), "A") and "ok")
     as_remote = observe(lambda: a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A") and "ok")
-    return [outcome, md == a.get_agent_metadata(), as_local, as_remote,
-            observe(lambda: a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory)))]
+    return [
+        outcome,
+        md == a.get_agent_metadata(),
+        as_local,
+        as_remote,
+        observe(lambda: a.deregister_memory(a.get_reg_descs(b.rd(t), b.memory))),
+    ]
 
 
 @case("SIGSEGV", isolate=True, hardened="nixlInvalidParamError")
@@ -189,10 +202,12 @@ def empty_descriptor_lists(b: Backend):
     a, t, bb, u = _pair(b)
     mem = getattr(b.bindings, f"{b.memory}_SEG")
     empty = b.bindings.nixlXferDList(mem)
-    return [observe(lambda: a.register_memory(b.bindings.nixlRegDList(mem))),
-            observe(lambda: bb.prep_xfer_dlist("A", empty)),
-            observe(lambda: bb.get_xfer_descs(np.zeros((0, 3), dtype=np.uint64), b.memory)),
-            observe(lambda: bb.initialize_xfer("READ", empty, empty, "A"))]
+    return [
+        observe(lambda: a.register_memory(b.bindings.nixlRegDList(mem))),
+        observe(lambda: bb.prep_xfer_dlist("A", empty)),
+        observe(lambda: bb.get_xfer_descs(np.zeros((0, 3), dtype=np.uint64), b.memory)),
+        observe(lambda: bb.initialize_xfer("READ", empty, empty, "A")),
+    ]
 
 
 # -- metadata ----------------------------------------------------------------------------------------------
@@ -205,8 +220,12 @@ def metadata_is_stable_and_grows(b: Backend):
     for t in bufs:
         b.reg(a, t)
         sizes.append(len(a.get_agent_metadata()))
-    return [isinstance(a.get_agent_metadata(), bytes), a.get_agent_metadata() == a.get_agent_metadata(),
-            sizes[0] < sizes[1], sizes[1] < sizes[2]]
+    return [
+        isinstance(a.get_agent_metadata(), bytes),
+        a.get_agent_metadata() == a.get_agent_metadata(),
+        sizes[0] < sizes[1],
+        sizes[1] < sizes[2],
+    ]
 
 
 @case(["nixlNotFoundError", "A", "DONE", "DONE"])
@@ -247,8 +266,12 @@ def load_bad_metadata(b: Backend):
     """Fact 12: own metadata is INVALID_PARAM; garbage, empty or truncated bytes are MISMATCH."""
     a, bb = b.agent("A"), b.agent("B")
     md = bb.get_agent_metadata()
-    return [observe(lambda: a.add_remote_agent(a.get_agent_metadata())), observe(lambda: a.add_remote_agent(b"x")),
-            observe(lambda: a.add_remote_agent(b"")), observe(lambda: a.add_remote_agent(md[: len(md) // 2]))]
+    return [
+        observe(lambda: a.add_remote_agent(a.get_agent_metadata())),
+        observe(lambda: a.add_remote_agent(b"x")),
+        observe(lambda: a.add_remote_agent(b"")),
+        observe(lambda: a.add_remote_agent(md[: len(md) // 2])),
+    ]
 
 
 @case(["bytes", "A", "A"])
@@ -284,17 +307,23 @@ def partial_metadata(b: Backend):
     part = a.get_partial_agent_metadata(d1, inc_conn_info=True)
     bb = b.agent("B")
     name = bb.add_remote_agent(part).decode()
-    return [len(part) < len(a.get_agent_metadata()), name,
-            bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t1), b.memory)),
-            bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t2), b.memory))]
+    return [
+        len(part) < len(a.get_agent_metadata()),
+        name,
+        bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t1), b.memory)),
+        bb.check_remote_metadata("A", bb.get_xfer_descs(b.xd(t2), b.memory)),
+    ]
 
 
 @case(["nixlInvalidParamError"] * 3)
 def metadata_exchange_without_store(b: Backend):
     """Fact 15: send/fetch/invalidate with no address and no central store are INVALID_PARAM."""
     a = b.agent("A")
-    return [observe(a.invalidate_local_metadata), observe(a.send_local_metadata),
-            observe(lambda: a.fetch_remote_metadata("B"))]
+    return [
+        observe(a.invalidate_local_metadata),
+        observe(a.send_local_metadata),
+        observe(lambda: a.fetch_remote_metadata("B")),
+    ]
 
 
 @case(["nixlNotFoundError", "nixlNotSupportedError", "nixlNoTelemetryError", [0, 0, "UNKNOWN"], "UCX"])
@@ -302,8 +331,13 @@ def misc_queries(b: Backend):
     """Fact 16: make_connection to an unknown peer, query_memory, telemetry off, the cost estimate, the backend."""
     a, t, bb, u = _pair(b)
     h = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")
-    return [observe(lambda: bb.make_connection("X")), observe(lambda: a.query_memory(b.rd(t), "UCX", b.memory)),
-            observe(lambda: bb.get_xfer_telemetry(h)), list(bb.estimate_xfer_cost(h)), bb.query_xfer_backend(h)]
+    return [
+        observe(lambda: bb.make_connection("X")),
+        observe(lambda: a.query_memory(b.rd(t), "UCX", b.memory)),
+        observe(lambda: bb.get_xfer_telemetry(h)),
+        list(bb.estimate_xfer_cost(h)),
+        bb.query_xfer_backend(h),
+    ]
 
 
 # -- transfers ---------------------------------------------------------------------------------------------
@@ -362,14 +396,26 @@ def transfer_notifications(b: Backend):
     bb.transfer(h, b"x")
     _finish(b, bb, h)
     got: dict = {}
-    b.wait(lambda: [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()] and False or
-           len(got.get("B", [])) >= 1)
+    b.wait(
+        lambda: (
+            [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()]
+            and False
+            or len(got.get("B", [])) >= 1
+        )
+    )
     bb.transfer(h)
     _finish(b, bb, h)
-    b.wait(lambda: [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()] and False or
-           len(got.get("B", [])) >= 2)
-    return [{k: [m.decode() for m in v] for k, v in first.items()},
-            {k: [m.decode() for m in v] for k, v in got.items()}]
+    b.wait(
+        lambda: (
+            [got.setdefault(k, []).extend(v) for k, v in a.get_new_notifs().items()]
+            and False
+            or len(got.get("B", [])) >= 2
+        )
+    )
+    return [
+        {k: [m.decode() for m in v] for k, v in first.items()},
+        {k: [m.decode() for m in v] for k, v in got.items()},
+    ]
 
 
 def _collect(a, got: dict) -> dict:
@@ -444,8 +490,10 @@ def repost_active_handle(b: Backend):
 def unknown_peer_or_operation(b: Backend):
     """Fact 20: an unknown remote agent is NOT_FOUND; an unknown operation string is a KeyError."""
     a, t, bb, u = _pair(b)
-    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "X")),
-            observe(lambda: bb.initialize_xfer("MOVE", b.descs(bb, u), b.descs(bb, t), "A"))]
+    return [
+        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "X")),
+        observe(lambda: bb.initialize_xfer("MOVE", b.descs(bb, u), b.descs(bb, t), "A")),
+    ]
 
 
 @case(["nixlNotFoundError"] * 4)
@@ -455,13 +503,15 @@ def descriptor_outside_registration(b: Backend):
     a, t, bb, u = _pair(b)
     past = b.xd(t, offset=4, length=N)
     loc_past = b.xd(u, offset=4, length=N)
-    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(past, b.memory), "A")),
-            observe(lambda: bb.initialize_xfer("READ", bb.get_xfer_descs(loc_past, b.memory), b.descs(bb, t), "A")),
-            observe(lambda: bb.prep_xfer_dlist("A", past, b.memory)),
-            observe(lambda: bb.prep_xfer_dlist("NIXL_INIT_AGENT", loc_past, b.memory))]
+    return [
+        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(past, b.memory), "A")),
+        observe(lambda: bb.initialize_xfer("READ", bb.get_xfer_descs(loc_past, b.memory), b.descs(bb, t), "A")),
+        observe(lambda: bb.prep_xfer_dlist("A", past, b.memory)),
+        observe(lambda: bb.prep_xfer_dlist("NIXL_INIT_AGENT", loc_past, b.memory)),
+    ]
 
 
-@case(["RuntimeError"] * 4 + ["ok", "TypeError"] + ["ValueError"] * 3 + [2 ** 64 - 8, "RuntimeError", "TypeError"])
+@case(["RuntimeError"] * 4 + ["ok", "TypeError"] + ["ValueError"] * 3 + [2**64 - 8, "RuntimeError", "TypeError"])
 def descriptor_numbers_as_the_bindings_cast_them(b: Backend):
     """Facts 5 and 20: addresses, lengths and devices are uint64 to pybind11: a float (a stride computed with `/`),
     a negative number or one past 2^64 is a RuntimeError, numpy integers are fine; a tuple of tuples is no list;
@@ -471,18 +521,20 @@ def descriptor_numbers_as_the_bindings_cast_them(b: Backend):
     base, mem = t.data_ptr(), b.memory
     xfer = a.get_xfer_descs
     wide = np.array([[base, 8, 0, 1], [base + 8, 8, 0, 1]], dtype=np.uint64)
-    return [observe(lambda: xfer([(base, N / 4, 0)], mem)),
-            observe(lambda: xfer([(base, -8, 0)], mem)),
-            observe(lambda: xfer([(base, 8, -1)], mem)),
-            observe(lambda: xfer([(2 ** 64, 8, 0)], mem)),
-            observe(lambda: xfer([(np.uint64(base), np.int32(8), np.int64(0))], mem) and "ok"),
-            observe(lambda: xfer(((base, 8, 0), (base + 8, 8, 0)), mem)),
-            observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.int32), mem)),
-            observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.float64), mem)),
-            observe(lambda: xfer(wide[:, :3], mem)),
-            observe(lambda: xfer(np.array([[5, -8, 0]], dtype=np.int64), mem)[0][1]),
-            observe(lambda: a.register_memory([(base, 8, 0, 5)], mem)),
-            observe(lambda: a.register_memory(((base, 8, 0, ""),), mem))]
+    return [
+        observe(lambda: xfer([(base, N / 4, 0)], mem)),
+        observe(lambda: xfer([(base, -8, 0)], mem)),
+        observe(lambda: xfer([(base, 8, -1)], mem)),
+        observe(lambda: xfer([(2**64, 8, 0)], mem)),
+        observe(lambda: xfer([(np.uint64(base), np.int32(8), np.int64(0))], mem) and "ok"),
+        observe(lambda: xfer(((base, 8, 0), (base + 8, 8, 0)), mem)),
+        observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.int32), mem)),
+        observe(lambda: xfer(np.array([[5, 8, 0]], dtype=np.float64), mem)),
+        observe(lambda: xfer(wide[:, :3], mem)),
+        observe(lambda: xfer(np.array([[5, -8, 0]], dtype=np.int64), mem)[0][1]),
+        observe(lambda: a.register_memory([(base, 8, 0, 5)], mem)),
+        observe(lambda: a.register_memory(((base, 8, 0, ""),), mem)),
+    ]
 
 
 @case(["nixlInvalidParamError", "nixlInvalidParamError"])
@@ -490,9 +542,12 @@ def length_or_count_mismatch(b: Backend):
     """Fact 20: different lengths or descriptor counts are INVALID_PARAM."""
     a, t, bb, u = _pair(b)
     two = b.xd(t, 0, N // 2) + b.xd(t, N // 2, N // 2)
-    return [observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(b.xd(t, 0, N // 2),
-                                                                                         b.memory), "A")),
-            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(two, b.memory), "A"))]
+    return [
+        observe(
+            lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(b.xd(t, 0, N // 2), b.memory), "A")
+        ),
+        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), bb.get_xfer_descs(two, b.memory), "A")),
+    ]
 
 
 @case(["DONE", "DONE", True])
@@ -502,8 +557,9 @@ def zero_length_and_loopback(b: Backend):
     u = b.buf(N)
     b.reg(a, t)
     b.reg(a, u)
-    z = a.initialize_xfer("READ", a.get_xfer_descs(b.xd(u, 0, 0), b.memory),
-                          a.get_xfer_descs(b.xd(t, 0, 0), b.memory), "A")
+    z = a.initialize_xfer(
+        "READ", a.get_xfer_descs(b.xd(u, 0, 0), b.memory), a.get_xfer_descs(b.xd(t, 0, 0), b.memory), "A"
+    )
     a.transfer(z)
     h = a.initialize_xfer("READ", b.descs(a, u), b.descs(a, t), "A")
     a.transfer(h)
@@ -517,9 +573,13 @@ def prepped_bad_indices(b: Backend):
     local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.xd(u), b.memory)
     remote = bb.prep_xfer_dlist("A", b.xd(t), b.memory)
     mk = bb.make_prepped_xfer
-    return [observe(lambda: mk("READ", local, [1], remote, [0])), observe(lambda: mk("READ", local, [-1], remote, [0])),
-            observe(lambda: mk("READ", local, [], remote, [])), observe(lambda: mk("READ", local, [0, 0], remote, [0])),
-            observe(lambda: mk("READ", remote, [0], local, [0]))]
+    return [
+        observe(lambda: mk("READ", local, [1], remote, [0])),
+        observe(lambda: mk("READ", local, [-1], remote, [0])),
+        observe(lambda: mk("READ", local, [], remote, [])),
+        observe(lambda: mk("READ", local, [0, 0], remote, [0])),
+        observe(lambda: mk("READ", remote, [0], local, [0])),
+    ]
 
 
 @case(["RuntimeError"] * 4 + ["ValueError", "DONE"])
@@ -531,8 +591,10 @@ def prepped_index_types(b: Backend):
     a, t, bb, u = _pair(b)
     local = bb.prep_xfer_dlist("NIXL_INIT_AGENT", b.descs(bb, u))
     remote = bb.prep_xfer_dlist("A", b.descs(bb, t))
-    out = [observe(lambda: bb.make_prepped_xfer("READ", local, idx, remote, [0]))
-           for idx in (torch.tensor([0]), [0.0], None, [2**40], np.zeros((1, 1), dtype=np.int64))]
+    out = [
+        observe(lambda: bb.make_prepped_xfer("READ", local, idx, remote, [0]))
+        for idx in (torch.tensor([0]), [0.0], None, [2**40], np.zeros((1, 1), dtype=np.int64))
+    ]
     h = bb.make_prepped_xfer("READ", local, np.array([0.0]), remote, np.array([0.0]))
     bb.transfer(h)
     out.append(_finish(b, bb, h))
@@ -559,8 +621,11 @@ def release_twice_then_check(b: Backend):
     a, t, bb, u = _pair(b)
     h, _ = _read(b, bb, u, t)
     _finish(b, bb, h)
-    return [observe(lambda: bb.release_xfer_handle(h)), observe(lambda: bb.release_xfer_handle(h)),
-            observe(lambda: bb.check_xfer_state(h))]
+    return [
+        observe(lambda: bb.release_xfer_handle(h)),
+        observe(lambda: bb.release_xfer_handle(h)),
+        observe(lambda: bb.check_xfer_state(h)),
+    ]
 
 
 @case("SIGSEGV", isolate=True, hardened="nixlInvalidParamError")
@@ -655,9 +720,15 @@ def remove_remote_agent(b: Backend):
     flying, first = _read(b, bb, u, t)  # the first READ on a new endpoint is PROC; nobody checks it
     done, _ = _read(b, bb, u, t)
     _finish(b, bb, done)
-    return [first, observe(lambda: bb.remove_remote_agent("A")), observe(lambda: bb.transfer(done)),
-            observe(lambda: bb.check_xfer_state(done)), observe(lambda: bb.check_xfer_state(flying)),
-            bb.check_remote_metadata("A"), observe(lambda: bb.remove_remote_agent("nobody"))]
+    return [
+        first,
+        observe(lambda: bb.remove_remote_agent("A")),
+        observe(lambda: bb.transfer(done)),
+        observe(lambda: bb.check_xfer_state(done)),
+        observe(lambda: bb.check_xfer_state(flying)),
+        bb.check_remote_metadata("A"),
+        observe(lambda: bb.remove_remote_agent("nobody")),
+    ]
 
 
 @case(["DONE", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", "nixlRemoteDisconnectError"])
@@ -669,8 +740,12 @@ def failed_post_becomes_the_state(b: Backend):
     first = _finish(b, bb, h)
     del a
     b.collect()
-    return [first, observe(lambda: bb.transfer(h)), observe(lambda: bb.check_xfer_state(h)),
-            observe(lambda: bb.check_xfer_state(h))]
+    return [
+        first,
+        observe(lambda: bb.transfer(h)),
+        observe(lambda: bb.check_xfer_state(h)),
+        observe(lambda: bb.check_xfer_state(h)),
+    ]
 
 
 @case(["nixlNotFoundError", "nixlNotPostedError"])
@@ -694,8 +769,19 @@ def remove_and_readd(b: Backend):
     return [name, observe(lambda: bb.transfer(old)), _finish(b, bb, h)]
 
 
-@case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", None, "nixlRemoteDisconnectError",
-       "nixlNotAllowedError", "A", "nixlNotFoundError", "DONE"])
+@case(
+    [
+        True,
+        "nixlRemoteDisconnectError",
+        "nixlRemoteDisconnectError",
+        None,
+        "nixlRemoteDisconnectError",
+        "nixlNotAllowedError",
+        "A",
+        "nixlNotFoundError",
+        "DONE",
+    ]
+)
 def destroyed_peer(b: Backend):
     """Fact 26: a destroyed peer stays known (check True), posts and notifs raise RemoteDisconnect, new requests can
     still be made; a new agent under its name is NOT_ALLOWED until it is removed; old handles are then NOT_FOUND."""
@@ -743,8 +829,11 @@ def target_destroyed_in_flight(b: Backend):
     h, first = _read(b, bb, u, t)
     del a
     b.collect()
-    return [first, observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE")),
-            observe(lambda: bb.check_xfer_state(h))]
+    return [
+        first,
+        observe(lambda: b.wait(lambda: bb.check_xfer_state(h) == "DONE")),
+        observe(lambda: bb.check_xfer_state(h)),
+    ]
 
 
 @case(["nixlBackendError", False, "nixlNotFoundError", "nixlBackendError"])
@@ -758,9 +847,12 @@ def peer_gone_before_load(b: Backend):
     b.collect()
     bb, u = b.agent("B"), b.buf(N)
     b.reg(bb, u)
-    return [observe(lambda: bb.add_remote_agent(md)), bb.check_remote_metadata("A"),
-            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")),
-            observe(lambda: bb.add_remote_agent(md))]
+    return [
+        observe(lambda: bb.add_remote_agent(md)),
+        bb.check_remote_metadata("A"),
+        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")),
+        observe(lambda: bb.add_remote_agent(md)),
+    ]
 
 
 @case([True, False, {"A": ["to me"]}, None, True])
@@ -777,8 +869,7 @@ def own_name(b: Backend):
     return out
 
 
-@case(["bytes", None, "DONE", True, "DONE", True, {"B": ["n"]}, [True, True, True], None, False,
-       "nixlNotFoundError"])
+@case(["bytes", None, "DONE", True, "DONE", True, {"B": ["n"]}, [True, True, True], None, False, "nixlNotFoundError"])
 def name_as_bytes(b: Backend):
     """Observed on 1.5.1: every call that takes a remote agent name takes the bytes that add_remote_agent returned
     (and a bytearray): pybind11 converts both to the std::string name.  make_connection, a prepared READ, a READ
@@ -800,10 +891,18 @@ def name_as_bytes(b: Backend):
     out += [_finish(b, bb, h2), b.same(t, u)]
     bb.send_notif(name, b"n")
     out.append({k: [m.decode() for m in v] for k, v in b.wait(a.get_new_notifs).items()})
-    out.append([bb.check_remote_metadata(name), bb.check_remote_metadata(bytearray(name)),
-                bb.check_remote_metadata(name, b.descs(bb, t))])
-    out += [observe(lambda: bb.remove_remote_agent(name)), bb.check_remote_metadata("A"),
-            observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A"))]
+    out.append(
+        [
+            bb.check_remote_metadata(name),
+            bb.check_remote_metadata(bytearray(name)),
+            bb.check_remote_metadata(name, b.descs(bb, t)),
+        ]
+    )
+    out += [
+        observe(lambda: bb.remove_remote_agent(name)),
+        bb.check_remote_metadata("A"),
+        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), "A")),
+    ]
     return out
 
 
@@ -816,22 +915,34 @@ def agent_name_types(b: Backend):
     a, t, bb, u = _pair(b)
     refused = []
     for bad in (None, 7, memoryview(b"A"), "\udcffA"):
-        refused.append([observe(lambda: bb.make_connection(bad)),
-                        observe(lambda: bb.prep_xfer_dlist(bad, b.descs(bb, t))),
-                        observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), bad)),
-                        observe(lambda: bb.send_notif(bad, b"x")),
-                        observe(lambda: bb.check_remote_metadata(bad)),
-                        observe(lambda: bb.remove_remote_agent(bad)),
-                        observe(lambda: bb.fetch_remote_metadata(bad))])
-    local = [observe(lambda: bb.prep_xfer_dlist(b"", b.descs(bb, u)) and "ok"),
-             observe(lambda: bb.prep_xfer_dlist(b"NIXL_INIT_AGENT", b.descs(bb, u)))]
+        refused.append(
+            [
+                observe(lambda: bb.make_connection(bad)),
+                observe(lambda: bb.prep_xfer_dlist(bad, b.descs(bb, t))),
+                observe(lambda: bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, t), bad)),
+                observe(lambda: bb.send_notif(bad, b"x")),
+                observe(lambda: bb.check_remote_metadata(bad)),
+                observe(lambda: bb.remove_remote_agent(bad)),
+                observe(lambda: bb.fetch_remote_metadata(bad)),
+            ]
+        )
+    local = [
+        observe(lambda: bb.prep_xfer_dlist(b"", b.descs(bb, u)) and "ok"),
+        observe(lambda: bb.prep_xfer_dlist(b"NIXL_INIT_AGENT", b.descs(bb, u))),
+    ]
     v = b.buf(N, 3)
     b.reg(bb, v)
     loop = bb.initialize_xfer("READ", b.descs(bb, u), b.descs(bb, v), b"B")
     bb.transfer(loop)
     c = b.agent(b"C")
-    return [refused, bb.check_remote_metadata("A"), local, _finish(b, bb, loop), b.same(u, v),
-            [bb.add_remote_agent(c.get_agent_metadata()).decode(), observe(lambda: b.agent(None))]]
+    return [
+        refused,
+        bb.check_remote_metadata("A"),
+        local,
+        _finish(b, bb, loop),
+        b.same(u, v),
+        [bb.add_remote_agent(c.get_agent_metadata()).decode(), observe(lambda: b.agent(None))],
+    ]
 
 
 @case(["nixlNotFoundError", "A", "nixlNotFoundError", "DONE"])
@@ -870,8 +981,10 @@ def two_process_read(b: Backend):
         p.close()
 
 
-@case([True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", True, "nixlNotAllowedError", "A", "DONE"],
-      transport="tcp")
+@case(
+    [True, "nixlRemoteDisconnectError", "nixlRemoteDisconnectError", True, "nixlNotAllowedError", "A", "DONE"],
+    transport="tcp",
+)
 def kill_target_mid_read(b: Backend):
     """Fact 30 (tcp): SIGKILL the target during a READ: the next check raises RemoteDisconnect, later posts too, the
     peer stays known; a restarted target under the same name is NOT_ALLOWED until removed, then works."""
@@ -910,8 +1023,11 @@ def kill_initiator(b: Backend):
     got = b.wait(a.get_new_notifs)
     p.kill()
     b.wait(lambda: False, tries=5)
-    return [{k: [m.decode() for m in v] for k, v in got.items()}, observe(lambda: a.send_notif("B", b"x")),
-            a.check_remote_metadata("B")]
+    return [
+        {k: [m.decode() for m in v] for k, v in got.items()},
+        observe(lambda: a.send_notif("B", b"x")),
+        a.check_remote_metadata("B"),
+    ]
 
 
 # -- the rest of the package: what NIXL's own Python tests use ------------------------------------------------
@@ -940,8 +1056,11 @@ def logging_names(b: Backend):
     logger does not propagate."""
     import logging
 
-    return [b.nixl_logging.get_logger("_api").name, b.nixl_logging.get_logger("nixl.a").name,
-            logging.getLogger("nixl").propagate]
+    return [
+        b.nixl_logging.get_logger("_api").name,
+        b.nixl_logging.get_logger("nixl.a").name,
+        logging.getLogger("nixl").propagate,
+    ]
 
 
 def _telemetry(b: Backend, env: str | None, capture: bool):
@@ -974,18 +1093,29 @@ def _telemetry(b: Backend, env: str | None, capture: bool):
     got = observe(lambda: bb.get_xfer_telemetry(h))
     if isinstance(got, str):
         return got
-    return [got.descCount, got.totalBytes, got.startTime > 0, got.postDuration > 0,
-            got.xferDuration >= got.postDuration]
+    return [
+        got.descCount,
+        got.totalBytes,
+        got.startTime > 0,
+        got.postDuration > 0,
+        got.xferDuration >= got.postDuration,
+    ]
 
 
-@case(["nixlNoTelemetryError", [1, N, True, True, True], [1, N, True, True, True], "nixlNoTelemetryError",
-       "RuntimeError"])
+@case(
+    ["nixlNoTelemetryError", [1, N, True, True, True], [1, N, True, True, True], "nixlNoTelemetryError", "RuntimeError"]
+)
 def telemetry_switches(b: Backend):
     """Transfer telemetry: the config's capture_telemetry decides while NIXL_TELEMETRY_ENABLE is unset; set, the
     variable decides either way (y/yes/on/1/true/enable, n/no/off/0/false/disable, any case; no sink needed), and
     another value fails the agent's construction.  Times are microseconds, the transfer's no shorter than its post."""
-    return [_telemetry(b, None, False), _telemetry(b, None, True), _telemetry(b, "y", False),
-            _telemetry(b, "No", True), _telemetry(b, "bogus", True)]
+    return [
+        _telemetry(b, None, False),
+        _telemetry(b, None, True),
+        _telemetry(b, "y", False),
+        _telemetry(b, "No", True),
+        _telemetry(b, "bogus", True),
+    ]
 
 
 @case(["NIXL_SUCCESS", "NIXL_SUCCESS"])
@@ -997,9 +1127,21 @@ def status_returns(b: Backend):
     return [core.registerMem(descs, [ucx]).name, core.deregisterMem(descs, [ucx]).name]
 
 
-@case([True, {"use_posix_aio": "false", "use_uring": "false", "use_aio": "false", "kernel_queue_size": "256",
-              "ios_pool_size": "65536"}, ["DRAM_SEG", "FILE_SEG"], [["mode", "mtime", "size"], True, "11"],
-       "nixlNotSupportedError"])
+@case(
+    [
+        True,
+        {
+            "use_posix_aio": "false",
+            "use_uring": "false",
+            "use_aio": "false",
+            "kernel_queue_size": "256",
+            "ios_pool_size": "65536",
+        },
+        ["DRAM_SEG", "FILE_SEG"],
+        [["mode", "mtime", "size"], True, "11"],
+        "nixlNotSupportedError",
+    ]
+)
 def posix_query_mem(b: Backend):
     """The POSIX plugin: its parameters, and queryMem on a list of files (size, mode and modification time as
     strings; None for one that does not exist); UCX does not answer queryMem."""
@@ -1019,15 +1161,18 @@ def posix_query_mem(b: Backend):
         files.addDesc((0, 0, 0, os.path.join(d, "missing")))
         got = core.queryMem(files, posix)
         by_ucx = observe(lambda: core.queryMem(files, a.backends["UCX"]))
-    return ["POSIX" in core.getAvailPlugins(), params, mems, [sorted(got[0]), got[1] is None, got[0]["size"]],
-            by_ucx]
+    return ["POSIX" in core.getAvailPlugins(), params, mems, [sorted(got[0]), got[1] is None, got[0]["size"]], by_ucx]
 
 
 # -- overlapping registrations ------------------------------------------------------------------------------
 K4 = 4096
-OVERLAPS = {"identical": ((0, 2 * K4), (0, 2 * K4)), "nested": ((0, 4 * K4), (K4, K4)),
-            "partial": ((0, 2 * K4), (K4, 2 * K4)), "adjacent": ((0, 2 * K4), (2 * K4, 2 * K4)),
-            "same_start": ((0, K4), (0, 4 * K4))}
+OVERLAPS = {
+    "identical": ((0, 2 * K4), (0, 2 * K4)),
+    "nested": ((0, 4 * K4), (K4, K4)),
+    "partial": ((0, 2 * K4), (K4, 2 * K4)),
+    "adjacent": ((0, 2 * K4), (2 * K4, 2 * K4)),
+    "same_start": ((0, K4), (0, 4 * K4)),
+}
 
 
 def _overlap_ranges(shape: str) -> list[tuple[int, int]]:
@@ -1068,8 +1213,12 @@ def _overlap_reads(b: Backend, shape: str, where: str, release: str, two_agents:
         remote = (t.data_ptr() + (off if where == "remote" else 0), n, b.dev(t))
 
         def read():
-            h = ini.initialize_xfer("READ", ini.get_xfer_descs([local], mem_type=b.memory),
-                                    ini.get_xfer_descs([remote], mem_type=b.memory), "T")
+            h = ini.initialize_xfer(
+                "READ",
+                ini.get_xfer_descs([local], mem_type=b.memory),
+                ini.get_xfer_descs([remote], mem_type=b.memory),
+                "T",
+            )
             ini.transfer(h)
             state = _finish(b, ini, h)
             ini.release_xfer_handle(h)
@@ -1099,15 +1248,19 @@ def _expect(none: str, r1: str, r2: str, other: str) -> dict[str, str]:
 # adjacent registrations is NOT_FOUND, one across a partial overlap is found where the later-starting one holds it.
 # Of two starting together the longer is taken.  Releasing one of two identical registrations keeps the other;
 # another agent's registration changes nothing.  rocm-strict refuses a second registration of the same bytes.
-for _shape, _want in {"identical": _expect("DD", "DD", "DD", "DD"),
-                      "nested": _expect("DDNDND", "NDNNNN", "DDDDDD", "DDDDDD"),
-                      "partial": _expect("DDDDDN", "NDDNDN", "DDNDNN", "DDNDNN"),
-                      "adjacent": _expect("DDNN", "NDNN", "DNNN", "DNNN"),
-                      "same_start": _expect("DDDD", "DDDD", "DNNN", "DNNN")}.items():
+for _shape, _want in {
+    "identical": _expect("DD", "DD", "DD", "DD"),
+    "nested": _expect("DDNDND", "NDNNNN", "DDDDDD", "DDDDDD"),
+    "partial": _expect("DDDDDN", "NDDNDN", "DDNDNN", "DDNDNN"),
+    "adjacent": _expect("DDNN", "NDNN", "DNNN", "DNNN"),
+    "same_start": _expect("DDDD", "DDDD", "DNNN", "DNNN"),
+}.items():
     _fn = _overlap_case(_shape)
     _fn.__name__ = f"overlapping_registrations_{_shape}"
-    _fn.__doc__ = (f"Two registrations {_shape} over one buffer (R1, R2 = {OVERLAPS[_shape]}), on the target and on "
-                   "the initiator, each released in turn: a READ at every part of them (D done, N NOT_FOUND).")
+    _fn.__doc__ = (
+        f"Two registrations {_shape} over one buffer (R1, R2 = {OVERLAPS[_shape]}), on the target and on "
+        "the initiator, each released in turn: a READ at every part of them (D done, N NOT_FOUND)."
+    )
     if _shape == "adjacent":
         case(_want)(_fn)
     else:

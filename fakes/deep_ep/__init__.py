@@ -5,10 +5,22 @@ import sys
 
 from ._nvshmem import NvshmemError, configure
 from ._team import DeepEPTimeout
-from .buffer import (AVAILABLE, CONSTRUCTING, DESTROYED, DESTROYING, LEAKED, POISONED, Buffer, EventOverlap)
+from .buffer import AVAILABLE, CONSTRUCTING, DESTROYED, DESTROYING, LEAKED, POISONED, Buffer, EventOverlap
 
-__all__ = ["Buffer", "EventOverlap", "DeepEPTimeout", "NvshmemError", "configure", "installed", "CONSTRUCTING",
-           "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED"]
+__all__ = [
+    "Buffer",
+    "EventOverlap",
+    "DeepEPTimeout",
+    "NvshmemError",
+    "configure",
+    "installed",
+    "CONSTRUCTING",
+    "AVAILABLE",
+    "DESTROYING",
+    "DESTROYED",
+    "LEAKED",
+    "POISONED",
+]
 
 
 @contextlib.contextmanager

@@ -41,8 +41,9 @@ class World:
         """``nvshmemx_init_attr``: the world size in effect afterwards (which may not be ``nranks``)."""
         if not self.bootstrapped:
             if self.finalized_once and profile == "mi355":
-                raise NvshmemError("nvshmemx_init_attr: re-initialisation after finalize is not supported "
-                                   "(mi355 profile)")
+                raise NvshmemError(
+                    "nvshmemx_init_attr: re-initialisation after finalize is not supported (mi355 profile)"
+                )
             self.bootstrapped, self.nranks, self.uid = True, nranks, uid
             self.generation += 1
         self.init_count += 1

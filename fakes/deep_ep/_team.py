@@ -51,8 +51,16 @@ class Team:
     def close(self) -> None:
         _TEAMS.pop(self.id, None)
 
-    def meet(self, rank: int, kind: str, payload: Any, combine: Callable[[list[Any]], list[Any]],
-             parity: int | None = None, timeout_s: float = TIMEOUT_S, device_side: bool = False) -> Any:
+    def meet(
+        self,
+        rank: int,
+        kind: str,
+        payload: Any,
+        combine: Callable[[list[Any]], list[Any]],
+        parity: int | None = None,
+        timeout_s: float = TIMEOUT_S,
+        device_side: bool = False,
+    ) -> Any:
         """Wait for every rank's call number ``k``; ``combine`` turns the payloads (in rank order) into one result
         per rank.  Raises :class:`DeepEPTimeout` if some rank does not come, or comes with another call."""
         seq = self._seq[rank]
@@ -84,11 +92,15 @@ class Team:
         if m.args.get(rank) is _MISMATCH:
             missing = [r for r in range(len(self.pids)) if r != rank]
         pids = [self.pids[r] for r in missing]
-        self.kernel.history.record("deep_ep.timeout", team=self.name, op=kind, seq=seq, pid=self.pids[rank],
-                                   missing=pids)
+        self.kernel.history.record(
+            "deep_ep.timeout", team=self.name, op=kind, seq=seq, pid=self.pids[rank], missing=pids
+        )
         what = "device barrier trapped (sticky CUDA error)" if device_side else "DeepEP error: CPU recv timeout"
-        raise DeepEPTimeout(f"{what}: {kind} #{seq} on {self.name}: ranks {missing} (pids {pids}) did not take part "
-                            f"within {timeout_s:g} s", missing)
+        raise DeepEPTimeout(
+            f"{what}: {kind} #{seq} on {self.name}: ranks {missing} (pids {pids}) did not take part "
+            f"within {timeout_s:g} s",
+            missing,
+        )
 
 
 class _Mismatch:

@@ -39,7 +39,13 @@ CONFIG_EP_SIZES = frozenset({2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
 # The hidden sizes the low-latency kernels are built for (SWITCH_HIDDEN in csrc/kernels/launch.cuh).
 LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
-    "CONSTRUCTING", "AVAILABLE", "DESTROYING", "DESTROYED", "LEAKED", "POISONED")
+    "CONSTRUCTING",
+    "AVAILABLE",
+    "DESTROYING",
+    "DESTROYED",
+    "LEAKED",
+    "POISONED",
+)
 # Keyed by the objects themselves (weakly), never by id(): an id is reused once its object is gone.
 # kernel -> {pid: the team of the low-latency buffer (above 8 ranks) that holds the process's sub-RDMA team}
 _static_team_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -117,18 +123,29 @@ def _per_group(rdv: Any, what: str) -> dict:
 class Buffer:
     num_sms: int = 20
 
-    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+    ) -> None:
         self.state = CONSTRUCTING
         self.runtime: Optional[_Runtime] = None
         self.explicitly_destroy = explicitly_destroy
         if comm is not None:
             raise NotImplementedError("the fake DeepEP takes a (fake) torch ProcessGroup, not an mpi4py communicator")
         if not isinstance(group, torch_dist.FakeProcessGroup):
-            raise TypeError("the fake DeepEP Buffer needs a fake process group (fakes.torch_dist) inside the "
-                            "simulation")
+            raise TypeError(
+                "the fake DeepEP Buffer needs a fake process group (fakes.torch_dist) inside the simulation"
+            )
         self.group = group
         self.rank, self.group_size = group.rank(), group.size()
         rdv = group.rendezvous
@@ -140,20 +157,28 @@ class Buffer:
         self.enable_shrink = enable_shrink
         # The C++ constructor's own checks, before anything is exchanged (EP_HOST_ASSERT: a RuntimeError).
         n = self.group_size
-        for ok, cond in ((self.num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0,
-                          "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
-                         (self.num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0,
-                          "num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
-                         (n <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or self.low_latency_mode,
-                          "num_ranks <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or low_latency_mode"),
-                         (n < NUM_MAX_NVL_PEERS or n % NUM_MAX_NVL_PEERS == 0,
-                          "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0"),
-                         (self.num_rdma_bytes == 0 or n > NUM_MAX_NVL_PEERS or self.low_latency_mode,
-                          "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode")):
+        for ok, cond in (
+            (self.num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0, "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+            (self.num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0, "num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+            (
+                n <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or self.low_latency_mode,
+                "num_ranks <= NUM_MAX_NVL_PEERS * NUM_MAX_RDMA_PEERS or low_latency_mode",
+            ),
+            (
+                n < NUM_MAX_NVL_PEERS or n % NUM_MAX_NVL_PEERS == 0,
+                "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0",
+            ),
+            (
+                self.num_rdma_bytes == 0 or n > NUM_MAX_NVL_PEERS or self.low_latency_mode,
+                "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode",
+            ),
+        ):
             if not ok:
                 self.state = POISONED  # never AVAILABLE: its destructor has nothing to tear down
-                raise RuntimeError(f"Failed: Assertion error csrc/deep_ep.cpp: '{cond}' (group of {n} ranks, "
-                                   f"num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes})")
+                raise RuntimeError(
+                    f"Failed: Assertion error csrc/deep_ep.cpp: '{cond}' (group of {n} ranks, "
+                    f"num_nvl_bytes={self.num_nvl_bytes}, num_rdma_bytes={self.num_rdma_bytes})"
+                )
         self._ll_parity = 0
         self._needs_clean = False
         self._nvshmem: _nvshmem.World | None = None
@@ -183,8 +208,14 @@ class Buffer:
         self.runtime = _Runtime()
         self._meet("sync", None, lambda xs: [None] * len(xs), device_side=True)
         self.state = AVAILABLE
-        self._kernel.history.record("deep_ep.buffer", pid=self._pid, team=self._team.name, size=self.group_size,
-                                    nvshmem=self._nvshmem_size, low_latency=self.low_latency_mode)
+        self._kernel.history.record(
+            "deep_ep.buffer",
+            pid=self._pid,
+            team=self._team.name,
+            size=self.group_size,
+            nvshmem=self._nvshmem_size,
+            low_latency=self.low_latency_mode,
+        )
 
     # -- NVSHMEM -------------------------------------------------------------------------------------------------
     @property
@@ -204,19 +235,27 @@ class Buffer:
             owners = _static_team_owner.setdefault(self._kernel, {})
             holder = owners.get(self._pid)
             if holder is not None:
-                raise RuntimeError(f"Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
-                                   f"buffer above 8 ranks while {holder} still holds the team: never destroyed)")
+                raise RuntimeError(
+                    f"Assertion error: cpu_rdma_team == NVSHMEM_TEAM_INVALID (a second low-latency "
+                    f"buffer above 8 ranks while {holder} still holds the team: never destroyed)"
+                )
             owners[self._pid] = self._team.name
         if effective != self.group_size:
             # The old world is in effect (still alive, or reused after finalize): nvshmem_align is collective over it,
             # and the new group's ranks never meet.
-            why = ("a buffer of the old world is still alive: the second init only bumped its count and ignored the "
-                   "new size" if world.init_count > 1 else
-                   "the old world was reused: stock NVSHMEM does not reset its bootstrap on finalize")
+            why = (
+                "a buffer of the old world is still alive: the second init only bumped its count and ignored the "
+                "new size"
+                if world.init_count > 1
+                else "the old world was reused: stock NVSHMEM does not reset its bootstrap on finalize"
+            )
             self._kernel.sleep(100.0, "nvshmem_align across mismatched worlds")
             self.state = POISONED
-            raise DeepEPTimeout(f"nvshmem_align hangs: NVSHMEM was initialised for {effective} ranks and this "
-                                f"buffer's group has {self.group_size} ({why})", [])
+            raise DeepEPTimeout(
+                f"nvshmem_align hangs: NVSHMEM was initialised for {effective} ranks and this "
+                f"buffer's group has {self.group_size} ({why})",
+                [],
+            )
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _live(self, what: str) -> None:
@@ -225,8 +264,14 @@ class Buffer:
         if self.state == POISONED:
             raise RuntimeError("CUDA error: unspecified launch failure (a device-side trap left a sticky error)")
 
-    def _meet(self, kind: str, payload: Any, combine: Callable[[list[Any]], list[Any]],
-              parity: int | None = None, device_side: bool = False) -> Any:
+    def _meet(
+        self,
+        kind: str,
+        payload: Any,
+        combine: Callable[[list[Any]], list[Any]],
+        parity: int | None = None,
+        device_side: bool = False,
+    ) -> Any:
         try:
             return self._team.meet(self.rank, kind, payload, combine, parity=parity, device_side=device_side)
         except DeepEPTimeout:
@@ -244,8 +289,9 @@ class Buffer:
         if not isinstance(handle, _Handle) or handle.low_latency != low_latency:
             raise TypeError("handle must be the one dispatch returned")
         if handle.ep_size != self.group_size or handle.rank != self.rank:
-            raise RuntimeError(f"Assertion error: handle from another buffer (EP size {handle.ep_size}, this buffer "
-                               f"{self.group_size})")
+            raise RuntimeError(
+                f"Assertion error: handle from another buffer (EP size {handle.ep_size}, this buffer {self.group_size})"
+            )
 
     # -- local calls ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -254,8 +300,9 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         """DeepEP's ``get_low_latency_rdma_size_hint``: the ``LowLatencyLayout`` bytes, plus one alignment unit
         (DeepEP rounds ``(bytes + 128) / 128``, so an aligned total gains 128)."""
         total = _ll_layout_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -269,8 +316,14 @@ class Buffer:
         self._live("get_comm_stream")
         return None
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event): local."""
         self._live("get_dispatch_layout")
         per = num_experts // self.group_size
@@ -284,7 +337,7 @@ class Buffer:
         rdma = None
         if self.group_size > NUM_MAX_NVL_PEERS:
             nodes = math.ceil(self.group_size / NUM_MAX_NVL_PEERS)
-            rdma = torch.stack([is_token_in_rank[:, n * 8:(n + 1) * 8].any(dim=1).sum() for n in range(nodes)])
+            rdma = torch.stack([is_token_in_rank[:, n * 8 : (n + 1) * 8].any(dim=1).sum() for n in range(nodes)])
             rdma = rdma.to(torch.int32)
         return num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank, EventOverlap()
 
@@ -295,12 +348,23 @@ class Buffer:
         if config is None:
             assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
 
-    def dispatch(self, x: Any, handle: Optional[_Handle] = None, num_tokens_per_rank: Any = None,
-                 num_tokens_per_rdma_rank: Any = None, is_token_in_rank: Any = None,
-                 num_tokens_per_expert: Any = None, topk_idx: Optional[torch.Tensor] = None,
-                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Any = None, previous_event: Any = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x: Any,
+        handle: Optional[_Handle] = None,
+        num_tokens_per_rank: Any = None,
+        num_tokens_per_rdma_rank: Any = None,
+        is_token_in_rank: Any = None,
+        num_tokens_per_expert: Any = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Any = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
         self._live("intranode_dispatch")
         self._check_config(config)
@@ -308,11 +372,16 @@ class Buffer:
             self._check_handle(handle, low_latency=False)
             raise NotImplementedError("cached re-dispatch with a handle is not modelled by the fake DeepEP")
         if topk_idx is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ValueError("dispatch needs topk_idx, is_token_in_rank and num_tokens_per_expert "
-                             "(from get_dispatch_layout)")
+            raise ValueError(
+                "dispatch needs topk_idx, is_token_in_rank and num_tokens_per_expert (from get_dispatch_layout)"
+            )
         num_experts = int(num_tokens_per_expert.numel())
-        mine = (x.detach().clone(), topk_idx.clone(), None if topk_weights is None else topk_weights.clone(),
-                is_token_in_rank.clone())
+        mine = (
+            x.detach().clone(),
+            topk_idx.clone(),
+            None if topk_weights is None else topk_weights.clone(),
+            is_token_in_rank.clone(),
+        )
         rank, per = self.rank, num_experts // self.group_size
 
         def route(payloads: list[Any]) -> list[Any]:
@@ -338,18 +407,32 @@ class Buffer:
         new_handle = _Handle(self._team.id, self.group_size, rank, False, layout, int(x.shape[0]))
         return recv_x, recv_idx, recv_w, counts, new_handle, EventOverlap()
 
-    def combine(self, x: torch.Tensor, handle: _Handle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Any = None, config: Any = None, previous_event: Any = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: _Handle,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Any = None,
+        config: Any = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """(combined_x, combined_topk_weights, event): every rank's rows for a token summed back at its source."""
         self._live("intranode_combine")
         self._check_config(config)
         self._check_handle(handle, low_latency=False)
         if x.dtype != torch.bfloat16:  # the intranode combine kernel is built for bf16 alone (SWITCH_TYPES)
-            raise RuntimeError("Failed: Assertion error csrc/kernels/intranode.cu: 'false and \"Unsupported type\"' "
-                               f"(combine of {x.dtype})")
-        mine = (x.detach().clone(), None if topk_weights is None else topk_weights.clone(), handle.layout,
-                handle.num_tokens)
+            raise RuntimeError(
+                "Failed: Assertion error csrc/kernels/intranode.cu: 'false and \"Unsupported type\"' "
+                f"(combine of {x.dtype})"
+            )
+        mine = (
+            x.detach().clone(),
+            None if topk_weights is None else topk_weights.clone(),
+            handle.layout,
+            handle.num_tokens,
+        )
 
         def reduce(payloads: list[Any]) -> list[Any]:
             hidden = payloads[0][0].shape[1:]
@@ -359,18 +442,18 @@ class Buffer:
                 start = 0
                 for src, tokens in enumerate(layout):
                     n = int(tokens.numel())
-                    sums[src].index_add_(0, tokens, rows[start:start + n])
+                    sums[src].index_add_(0, tokens, rows[start : start + n])
                     if w is not None:
                         if wsums[src] is None:
                             wsums[src] = torch.zeros((payloads[src][3], w.shape[1]), dtype=w.dtype)
-                        wsums[src].index_add_(0, tokens, w[start:start + n])
+                        wsums[src].index_add_(0, tokens, w[start : start + n])
                     start += n
             return list(zip(sums, wsums))
 
         combined, weights = self._meet("combine", mine, reduce)
         self._needs_clean = self.low_latency_mode
         if bias is not None:
-            for b in (bias if isinstance(bias, (tuple, list)) else (bias,)):
+            for b in bias if isinstance(bias, (tuple, list)) else (bias,):
                 if b is not None:
                     combined = combined + b
         return combined, weights, EventOverlap()
@@ -382,11 +465,17 @@ class Buffer:
         if not self.low_latency_mode:
             raise RuntimeError("Assertion error: low_latency_mode must be enabled for low-latency kernels")
         _assert(hidden % 128 == 0, "x.size(1) % sizeof(int4) == 0 and x.size(1) % 128 == 0", f"hidden {hidden}")
-        _assert(num_experts % self.group_size == 0, "num_experts % num_ranks == 0",
-                f"{num_experts} experts over {self.group_size} ranks")
+        _assert(
+            num_experts % self.group_size == 0,
+            "num_experts % num_ranks == 0",
+            f"{num_experts} experts over {self.group_size} ranks",
+        )
         need = _ll_layout_bytes(max_tokens, hidden, num_experts)
-        _assert(need <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes",
-                f"the layout needs {need} bytes, the buffer has {self.num_rdma_bytes}")
+        _assert(
+            need <= self.num_rdma_bytes,
+            "layout.total_bytes <= num_rdma_bytes",
+            f"the layout needs {need} bytes, the buffer has {self.num_rdma_bytes}",
+        )
 
     def _ll_turn(self, what: str, async_finish: bool, return_recv_hook: bool, hidden: int) -> int:
         """Flip the parity, then the assertions DeepEP makes after the flip (a refused call has flipped it too), and
@@ -394,29 +483,50 @@ class Buffer:
         parity = self._ll_parity
         self._ll_parity ^= 1
         _no_async_with_hook(async_finish, return_recv_hook)
-        _assert(hidden in LL_HIDDEN_SIZES, 'false and "Unsupported hidden"',
-                f"hidden {hidden}; the kernels are built for {sorted(LL_HIDDEN_SIZES)}")
+        _assert(
+            hidden in LL_HIDDEN_SIZES,
+            'false and "Unsupported hidden"',
+            f"hidden {hidden}; the kernels are built for {sorted(LL_HIDDEN_SIZES)}",
+        )
         if self._needs_clean:
             # Flags left by high-throughput use: the LL kernels wait for counts that never come, then trap.
             self._kernel.sleep(100.0, f"{what}: stale flags (no clean_low_latency_buffer after HT use)")
             self.state = POISONED
-            raise DeepEPTimeout(f"device barrier trapped (sticky CUDA error): {what} found flags of high-throughput "
-                                "use; clean_low_latency_buffer was not called", [])
+            raise DeepEPTimeout(
+                f"device barrier trapped (sticky CUDA error): {what} found flags of high-throughput "
+                "use; clean_low_latency_buffer was not called",
+                [],
+            )
         return parity
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Any = None,
-                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Any = None,
+        dispatch_wait_recv_cost_stats: Any = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
         """(recv_x, recv_count, handle, event, hook): ``recv_x`` is ``[local experts, ranks * max tokens, hidden]``
         (with ``use_fp8``, a pair of FP8 data and per-128-channel scales)."""
         self._ll_checks("low_latency_dispatch", int(x.shape[-1]), num_max_dispatch_tokens_per_rank, num_experts)
-        _assert(x.dim() == 2 and x.dtype == torch.bfloat16, "x.dim() == 2 and x.is_contiguous() and x.scalar_type() "
-                "== torch::kBFloat16", f"x is {x.dtype} of {x.dim()} dims")
+        _assert(
+            x.dim() == 2 and x.dtype == torch.bfloat16,
+            "x.dim() == 2 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16",
+            f"x is {x.dtype} of {x.dim()} dims",
+        )
         _assert(topk_idx.dtype == torch.int64, "topk_idx.scalar_type() == torch::kInt64", str(topk_idx.dtype))
-        _assert(x.shape[0] <= num_max_dispatch_tokens_per_rank, "x.size(0) <= num_max_dispatch_tokens_per_rank",
-                f"{x.shape[0]} tokens > {num_max_dispatch_tokens_per_rank}")
+        _assert(
+            x.shape[0] <= num_max_dispatch_tokens_per_rank,
+            "x.size(0) <= num_max_dispatch_tokens_per_rank",
+            f"{x.shape[0]} tokens > {num_max_dispatch_tokens_per_rank}",
+        )
         parity = self._ll_turn("low_latency_dispatch", async_finish, return_recv_hook, int(x.shape[1]))
         ranks, m = self.group_size, num_max_dispatch_tokens_per_rank
         per = num_experts // ranks
@@ -443,8 +553,16 @@ class Buffer:
         recv_x, count, layout = self._meet("low_latency_dispatch", mine, route, parity=parity, device_side=True)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
-        handle = _Handle(self._team.id, self.group_size, self.rank, True, layout, int(x.shape[0]),
-                         num_max_dispatch_tokens_per_rank, num_experts)
+        handle = _Handle(
+            self._team.id,
+            self.group_size,
+            self.rank,
+            True,
+            layout,
+            int(x.shape[0]),
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+        )
         if use_fp8:
             recv_x = _to_fp8(recv_x)
         if not return_recv_hook:
@@ -455,20 +573,36 @@ class Buffer:
         count = torch.zeros_like(count)
         return recv_x, count, handle, EventOverlap(), _receive_hook((recv_x, count), arrived)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: _Handle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False, out: Any = None):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: _Handle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Any = None,
+    ):
         """(combined_x, event, hook): ``combined_x[t] = sum_k topk_weights[t, k] * x[expert k's row for t]``."""
         self._check_handle(handle, low_latency=True)
         self._ll_checks("low_latency_combine", int(x.shape[-1]), handle.max_tokens, handle.num_experts)
-        _assert(x.dim() == 3 and x.dtype == torch.bfloat16, "x.dim() == 3 and x.is_contiguous() and x.scalar_type() "
-                "== torch::kBFloat16", f"x is {x.dtype} of {x.dim()} dims")
-        _assert(x.shape[0] == handle.num_experts // self.group_size and
-                x.shape[1] == self.group_size * handle.max_tokens,
-                "x.size(0) == num_experts / num_ranks and x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank",
-                f"x is {list(x.shape)}")
-        _assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32",
-                str(topk_weights.dtype))
+        _assert(
+            x.dim() == 3 and x.dtype == torch.bfloat16,
+            "x.dim() == 3 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16",
+            f"x is {x.dtype} of {x.dim()} dims",
+        )
+        _assert(
+            x.shape[0] == handle.num_experts // self.group_size and x.shape[1] == self.group_size * handle.max_tokens,
+            "x.size(0) == num_experts / num_ranks and x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank",
+            f"x is {list(x.shape)}",
+        )
+        _assert(
+            topk_weights.dtype == torch.float32,
+            "topk_weights.scalar_type() == torch::kFloat32",
+            str(topk_weights.dtype),
+        )
         parity = self._ll_turn("low_latency_combine", async_finish, return_recv_hook, int(x.shape[2]))
         mine = (x.detach().clone(), handle.layout)
         ranks = self.group_size
@@ -537,8 +671,7 @@ class Buffer:
         if getattr(self, "explicitly_destroy", False):
             self.state = LEAKED
             try:
-                _printf("WARNING: destroy() was not called before DeepEP buffer destruction, which can leak "
-                        "resources.")
+                _printf("WARNING: destroy() was not called before DeepEP buffer destruction, which can leak resources.")
                 self._kernel.history.record("deep_ep.leak", pid=self._pid, team=self._team.name)
             except Exception:  # noqa: BLE001 - a destructor never raises
                 pass
@@ -552,8 +685,10 @@ class Buffer:
             self.state = POISONED
             if kernel is not None:
                 kernel.history.record("deep_ep.destroy_uninitialised", pid=self._pid)
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (the destructor's barrier of a "
-                               "buffer whose constructor failed before the IPC handles were opened)")
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (the destructor's barrier of a "
+                "buffer whose constructor failed before the IPC handles were opened)"
+            )
         if kernel is not None and kernel.current() is None:
             # After the simulation (its interpreter shutdown): no simulated thread can wait for the peers.  Real
             # DeepEP would run the barrier at exit and hang or fault if a peer is gone (DeepEP fault 2); here the
@@ -601,6 +736,7 @@ def _not_yet(t: torch.Tensor) -> torch.Tensor:
 def _receive_hook(into: tuple, arrived: tuple) -> Callable[[], None]:
     """``return_recv_hook``: the receive half of the kernel, which the caller launches when it is ready; until then
     the returned buffers hold nothing of the call."""
+
     def hook() -> None:
         for dst, src in zip(into, arrived):
             if isinstance(dst, tuple):
@@ -608,6 +744,7 @@ def _receive_hook(into: tuple, arrived: tuple) -> Callable[[], None]:
                     d.copy_(s)
             else:
                 dst.copy_(src)
+
     return hook
 
 

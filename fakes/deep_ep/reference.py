@@ -23,8 +23,9 @@ def reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return out
 
 
-def local_experts(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int,
-                  per: int) -> torch.Tensor:
+def local_experts(
+    recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, rank: int, per: int
+) -> torch.Tensor:
     """One rank's share after a high-throughput dispatch: each received token through its local experts,
     weighted (recv_idx holds local expert ids, -1 for experts elsewhere); summed in float32, returned in the rows'
     dtype, as an expert kernel accumulates."""

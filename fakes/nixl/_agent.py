@@ -25,8 +25,13 @@ from ._xfer import XferMixin
 PLUGINS = ["POSIX", "UCX"]
 UCX_MEM_TYPES = ["DRAM_SEG", "VRAM_SEG"]
 # What getPluginParams("POSIX") gives on 1.5.1 (case posix_query_mem): its defaults, and the memory it takes.
-POSIX_PARAMS = {"use_posix_aio": "false", "use_uring": "false", "use_aio": "false", "kernel_queue_size": "256",
-                "ios_pool_size": "65536"}
+POSIX_PARAMS = {
+    "use_posix_aio": "false",
+    "use_uring": "false",
+    "use_aio": "false",
+    "kernel_queue_size": "256",
+    "ios_pool_size": "65536",
+}
 PLUGIN_PARAMS = {"UCX": ({}, UCX_MEM_TYPES), "POSIX": (POSIX_PARAMS, ["DRAM_SEG", "FILE_SEG"])}
 BACKEND_MEM_TYPES = {"UCX": UCX_MEM_TYPES, "POSIX": ["FILE_SEG", "DRAM_SEG"]}  # getBackendParams's order
 
@@ -45,8 +50,10 @@ class nixlAgentConfig:
 # NIXL_TELEMETRY_ENABLE, read when an agent is made (observed on 1.5.1, case telemetry_switches): set, it decides
 # whether transfers keep telemetry whatever the config's captureTelemetry says (no sink or directory is needed);
 # unset, the config decides; a value outside these words fails the agent's construction.
-_TELEMETRY_WORDS = {**dict.fromkeys(("y", "yes", "on", "1", "true", "enable"), True),
-                    **dict.fromkeys(("n", "no", "off", "0", "false", "disable"), False)}
+_TELEMETRY_WORDS = {
+    **dict.fromkeys(("y", "yes", "on", "1", "true", "enable"), True),
+    **dict.fromkeys(("n", "no", "off", "0", "false", "disable"), False),
+}
 
 
 def telemetry_enabled(config: nixlAgentConfig) -> bool:
@@ -56,8 +63,10 @@ def telemetry_enabled(config: nixlAgentConfig) -> bool:
     if value is None:
         return bool(config.captureTelemetry)
     if value.lower() not in _TELEMETRY_WORDS:
-        raise RuntimeError(f"Conversion to bool failed for string '{value}' known are y, yes, on, 1, true, enable as "
-                           "positive and n, no, off, 0, false, disable as negative (case insensitive)")
+        raise RuntimeError(
+            f"Conversion to bool failed for string '{value}' known are y, yes, on, 1, true, enable as "
+            "positive and n, no, off, 0, false, disable as negative (case insensitive)"
+        )
     return _TELEMETRY_WORDS[value.lower()]
 
 
@@ -126,8 +135,11 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
     def _refuse_posix_only(self, backends: list | None, call: str) -> None:
         """A call for POSIX backends alone: the fake does not move file data."""
         if backends and all(self.backends.get(int(b)) == "POSIX" for b in backends):
-            S.fail(S.NOT_SUPPORTED, f"{call}: the fake's POSIX backend answers queryMem only (registrations and "
-                                    "transfers through it are not modelled)")
+            S.fail(
+                S.NOT_SUPPORTED,
+                f"{call}: the fake's POSIX backend answers queryMem only (registrations and "
+                "transfers through it are not modelled)",
+            )
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -142,9 +154,15 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
             me = fabric.thread_of()
             if len(owners) > 1 or me not in owners:
                 others = sorted(getattr(t, "name", str(t)) for t in owners if t is not me)
-                fabric.emit("agent.threads", agent=self.name, pid=self.pid, conn=self.conn,
-                            thread=getattr(me, "name", str(me)), others=others,
-                            open=sum(n for t, n in owners.items() if t is not me))
+                fabric.emit(
+                    "agent.threads",
+                    agent=self.name,
+                    pid=self.pid,
+                    conn=self.conn,
+                    thread=getattr(me, "name", str(me)),
+                    others=others,
+                    open=sum(n for t, n in owners.items() if t is not me),
+                )
 
     def _vanish(self) -> None:
         """The agent is gone (destructor or killed process): nothing it held is reachable any more."""
@@ -167,8 +185,9 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
     def sendLocalMD(self, ip_addr: str = "", port: int = 8888) -> None:
         self._no_transport(ip_addr)
 
-    def sendLocalPartialMD(self, descs: Any, inc_conn_info: bool, backends: list, ip_addr: str = "",
-                           port: int = 8888, label: str = "") -> None:
+    def sendLocalPartialMD(
+        self, descs: Any, inc_conn_info: bool, backends: list, ip_addr: str = "", port: int = 8888, label: str = ""
+    ) -> None:
         self._no_transport(ip_addr)
 
     def fetchRemoteMD(self, remote_agent: str, ip_addr: str = "", port: int = 8888, label: str = "") -> None:
@@ -179,8 +198,11 @@ class AgentCore(MemoryMixin, PeersMixin, XferMixin):
 
     def _no_transport(self, ip_addr: str) -> None:
         if not ip_addr:
-            S.fail(S.INVALID_PARAM, "noTransport: no peer address provided and no centralized store configured "
-                                    "(set NIXL_ETCD_ENDPOINTS or NIXL_TCPSTORE_ENDPOINT)")
+            S.fail(
+                S.INVALID_PARAM,
+                "noTransport: no peer address provided and no centralized store configured "
+                "(set NIXL_ETCD_ENDPOINTS or NIXL_TCPSTORE_ENDPOINT)",
+            )
         # Towards an address the real agent only logs and works asynchronously; the fake has no sockets.
         S.log.info("fake NIXL: socket metadata exchange with %s is not modelled", ip_addr)
 

@@ -112,25 +112,38 @@ class nixl_agent_config:
 
 
 _MEMS = {
-    "DRAM": nixlBind.DRAM_SEG, "VRAM": nixlBind.VRAM_SEG, "FILE": nixlBind.FILE_SEG, "BLOCK": nixlBind.BLK_SEG,
-    "OBJ": nixlBind.OBJ_SEG, "cpu": nixlBind.DRAM_SEG, "cuda": nixlBind.VRAM_SEG,
+    "DRAM": nixlBind.DRAM_SEG,
+    "VRAM": nixlBind.VRAM_SEG,
+    "FILE": nixlBind.FILE_SEG,
+    "BLOCK": nixlBind.BLK_SEG,
+    "OBJ": nixlBind.OBJ_SEG,
+    "cpu": nixlBind.DRAM_SEG,
+    "cuda": nixlBind.VRAM_SEG,
 }
 _OPS = {"READ": nixlBind.NIXL_READ, "WRITE": nixlBind.NIXL_WRITE}
 _STATES = {nixlBind.NIXL_SUCCESS: "DONE", nixlBind.NIXL_IN_PROG: "PROC"}  # any other status reads "ERR"
 
 
 class nixl_agent:
-    def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
-                 instantiate_all: bool = False) -> None:
+    def __init__(
+        self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None, instantiate_all: bool = False
+    ) -> None:
         if nixl_conf is not None and instantiate_all:
             logger.warning("Ignoring instantiate_all based on the provided config in agent creation.")
             instantiate_all = False
         conf = nixl_conf or nixl_agent_config()
-        sync = conf.sync_mode or (nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if conf.enable_listen
-                                  else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE)
+        sync = conf.sync_mode or (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            if conf.enable_listen
+            else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
         core_conf = nixlBind.nixlAgentConfig(
-            useProgThread=conf.enable_pthread, useListenThread=conf.enable_listen, listenPort=conf.port,
-            syncMode=int(sync.value), captureTelemetry=conf.capture_telemetry)
+            useProgThread=conf.enable_pthread,
+            useListenThread=conf.enable_listen,
+            listenPort=conf.port,
+            syncMode=int(sync.value),
+            captureTelemetry=conf.capture_telemetry,
+        )
         self.agent = nixlBind.nixlAgent(agent_name, core_conf)
         self.agent.wrappers.add(self)  # so that a restart fault can hand this object the new agent
         self.name = agent_name
@@ -198,18 +211,19 @@ class nixl_agent:
         self.agent.makeConnection(remote_agent, self._handles(backends))
 
     # -- transfers ------------------------------------------------------------------------------------------
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
-                        backends: list[str] = []) -> nixl_prepped_dlist_handle:  # noqa: B006
+    def prep_xfer_dlist(
+        self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None, backends: list[str] = []
+    ) -> nixl_prepped_dlist_handle:  # noqa: B006
         if agent_name in ("NIXL_INIT_AGENT", ""):
             agent_name = nixlBind.NIXL_INIT_AGENT
         if type(xfer_list) is nixlBind.nixlXferDList:  # what get_xfer_descs gave: every EPLB READ, twice
-            return nixl_prepped_dlist_handle(self.agent,
-                                             self.agent.prepXferDlist(agent_name, xfer_list, self._handles(backends)))
+            return nixl_prepped_dlist_handle(
+                self.agent, self.agent.prepXferDlist(agent_name, xfer_list, self._handles(backends))
+            )
         if isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
-            handle = self.agent.prepXferDlist(agent_name, self.nixl_mems[mem_type], xfer_list,
-                                              self._handles(backends))
+            handle = self.agent.prepXferDlist(agent_name, self.nixl_mems[mem_type], xfer_list, self._handles(backends))
         else:
             descs = self.get_xfer_descs(xfer_list, mem_type)
             handle = self.agent.prepXferDlist(agent_name, descs, self._handles(backends))
@@ -217,23 +231,49 @@ class nixl_agent:
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
         duration, margin, method = self.agent.estimateXferCost(req_handle._handle)
-        return duration, margin, ("ANALYTICAL_BACKEND" if method == nixlBind.NIXL_COST_ANALYTICAL_BACKEND
-                                  else "UNKNOWN")
+        return (
+            duration,
+            margin,
+            ("ANALYTICAL_BACKEND" if method == nixlBind.NIXL_COST_ANALYTICAL_BACKEND else "UNKNOWN"),
+        )
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
-                          local_indices: Union[list[int], np.ndarray], remote_xfer_side: nixl_prepped_dlist_handle,
-                          remote_indices: Union[list[int], np.ndarray], notif_msg: bytes = b"",
-                          backends: list[str] = [], skip_desc_merge: bool = False) -> nixl_xfer_handle:  # noqa: B006
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: nixl_prepped_dlist_handle,
+        local_indices: Union[list[int], np.ndarray],
+        remote_xfer_side: nixl_prepped_dlist_handle,
+        remote_indices: Union[list[int], np.ndarray],
+        notif_msg: bytes = b"",
+        backends: list[str] = [],
+        skip_desc_merge: bool = False,
+    ) -> nixl_xfer_handle:  # noqa: B006
         op = self.nixl_ops[operation]
-        handle = self.agent.makeXferReq(op, local_xfer_side._handle, local_indices, remote_xfer_side._handle,
-                                        remote_indices, notif_msg, self._handles(backends), skip_desc_merge)
+        handle = self.agent.makeXferReq(
+            op,
+            local_xfer_side._handle,
+            local_indices,
+            remote_xfer_side._handle,
+            remote_indices,
+            notif_msg,
+            self._handles(backends),
+            skip_desc_merge,
+        )
         return nixl_xfer_handle(self.agent, handle)
 
-    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,
-                        notif_msg: bytes = b"", backends: list[str] = []) -> nixl_xfer_handle:  # noqa: B006
+    def initialize_xfer(
+        self,
+        operation: str,
+        local_descs: Any,
+        remote_descs: Any,
+        remote_agent: str,
+        notif_msg: bytes = b"",
+        backends: list[str] = [],
+    ) -> nixl_xfer_handle:  # noqa: B006
         op = self.nixl_ops[operation]
-        handle = self.agent.createXferReq(op, local_descs, remote_descs, remote_agent, notif_msg,
-                                          self._handles(backends))
+        handle = self.agent.createXferReq(
+            op, local_descs, remote_descs, remote_agent, notif_msg, self._handles(backends)
+        )
         return nixl_xfer_handle(self.agent, handle)
 
     @staticmethod
@@ -273,8 +313,9 @@ class nixl_agent:
         self.notifs = self.agent.getNotifs(self.notifs, self._handles(backends))
         return self.notifs
 
-    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes, backends: list[str] = [],
-                               tag_is_prefix: bool = True) -> bool:
+    def check_remote_xfer_done(
+        self, remote_agent_name: str, lookup_tag: bytes, backends: list[str] = [], tag_is_prefix: bool = True
+    ) -> bool:
         self.update_notifs(backends)
         for msg in self.notifs.get(remote_agent_name, []):
             if msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg:
@@ -287,16 +328,17 @@ class nixl_agent:
             self.agent.genNotif(remote_agent_name, notif_msg)
         else:  # 1.5.1 hands the binding a backend handle where it takes a list: every call with a backend fails
             self.backends[backend]  # an unknown name is a KeyError first
-            raise TypeError("genNotif(): incompatible function arguments. The following argument types are "
-                            "supported:\n    1. (self: nixlAgent, remote_agent: str, msg: str, backend: int = 0) "
-                            "-> None")
+            raise TypeError(
+                "genNotif(): incompatible function arguments. The following argument types are "
+                "supported:\n    1. (self: nixlAgent, remote_agent: str, msg: str, backend: int = 0) "
+                "-> None"
+            )
 
     # -- metadata -------------------------------------------------------------------------------------------
     def get_agent_metadata(self) -> bytes:
         return self.agent.getLocalMD()
 
-    def get_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False,
-                                   backends: list[str] = []) -> bytes:  # noqa: B006
+    def get_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False, backends: list[str] = []) -> bytes:  # noqa: B006
         return self.agent.getLocalPartialMD(descs, inc_conn_info, self._handles(backends))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
@@ -308,13 +350,20 @@ class nixl_agent:
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         self.agent.sendLocalMD(ip_addr, port)
 
-    def send_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False, backends: list[str] = [],
-                                    ip_addr: str = "", port: int = DEFAULT_COMM_PORT,
-                                    label: str = "") -> None:  # noqa: B006
+    def send_partial_agent_metadata(
+        self,
+        descs: Any,
+        inc_conn_info: bool = False,
+        backends: list[str] = [],
+        ip_addr: str = "",
+        port: int = DEFAULT_COMM_PORT,
+        label: str = "",
+    ) -> None:  # noqa: B006
         self.agent.sendLocalPartialMD(descs, inc_conn_info, self._handles(backends), ip_addr, port, label)
 
-    def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT,
-                              label: str = "") -> None:
+    def fetch_remote_metadata(
+        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
         self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
@@ -388,14 +437,25 @@ class nixl_agent:
                 return nixlBind.nixlXferDList(self.nixl_mems[mem_type], descs)
             if first is _tensor_class():
                 found = self._tensor_rows(descs)
-                return None if found is None else nixlBind.nixlXferDList._of_triples(self.nixl_mems[found[0]],
-                                                                                      found[1])
-        return self._descs(descs, mem_type, nixlBind.nixlXferDList, 3, nixlBind.nixlRegDList,
-                           "RegList type detected for transfer, please use XferList")
+                return None if found is None else nixlBind.nixlXferDList._of_triples(self.nixl_mems[found[0]], found[1])
+        return self._descs(
+            descs,
+            mem_type,
+            nixlBind.nixlXferDList,
+            3,
+            nixlBind.nixlRegDList,
+            "RegList type detected for transfer, please use XferList",
+        )
 
     def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None):
-        return self._descs(descs, mem_type, nixlBind.nixlRegDList, 4, nixlBind.nixlXferDList,
-                           "XferList type detected for registration, please use RegList")
+        return self._descs(
+            descs,
+            mem_type,
+            nixlBind.nixlRegDList,
+            4,
+            nixlBind.nixlXferDList,
+            "XferList type detected for registration, please use RegList",
+        )
 
     def get_remote_descs(self, descs: Any, mem_type: Optional[str] = None):
         if isinstance(descs, nixlBind.nixlRemoteDList):

@@ -30,7 +30,12 @@ from ._status import (
 from ._xfer import nixlXferTelemetry
 
 DRAM_SEG, VRAM_SEG, BLK_SEG, OBJ_SEG, FILE_SEG = (
-    nixl_mem_t.DRAM_SEG, nixl_mem_t.VRAM_SEG, nixl_mem_t.BLK_SEG, nixl_mem_t.OBJ_SEG, nixl_mem_t.FILE_SEG)
+    nixl_mem_t.DRAM_SEG,
+    nixl_mem_t.VRAM_SEG,
+    nixl_mem_t.BLK_SEG,
+    nixl_mem_t.OBJ_SEG,
+    nixl_mem_t.FILE_SEG,
+)
 NIXL_READ, NIXL_WRITE = nixl_xfer_op_t.NIXL_READ, nixl_xfer_op_t.NIXL_WRITE
 NIXL_IN_PROG, NIXL_SUCCESS = nixl_status_t.NIXL_IN_PROG, nixl_status_t.NIXL_SUCCESS
 NIXL_ERR_NOT_POSTED = nixl_status_t.NIXL_ERR_NOT_POSTED
@@ -60,14 +65,16 @@ def _agent_name(value, call: str) -> str:
             try:
                 value.encode()
             except UnicodeEncodeError:
-                raise TypeError(f"{call}(): incompatible function arguments: the name {value!r} has no UTF-8 "
-                                "form") from None
+                raise TypeError(
+                    f"{call}(): incompatible function arguments: the name {value!r} has no UTF-8 form"
+                ) from None
             value = str.__str__(value)
         return value
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", "surrogateescape")
-    raise TypeError(f"{call}(): incompatible function arguments: an agent name is str or bytes, not "
-                    f"{type(value).__name__}")
+    raise TypeError(
+        f"{call}(): incompatible function arguments: an agent name is str or bytes, not {type(value).__name__}"
+    )
 
 
 def _takes_name(method, index: int, keyword: str):
@@ -79,7 +86,7 @@ def _takes_name(method, index: int, keyword: str):
         if len(args) > index:
             name = args[index]
             if name.__class__ is not str or not name.isascii():  # a plain ASCII str (every EPLB call) is as given
-                args = (*args[:index], _agent_name(name, call), *args[index + 1:])
+                args = (*args[:index], _agent_name(name, call), *args[index + 1 :])
         elif keyword in kw:
             kw[keyword] = _agent_name(kw[keyword], call)
         return method(self, *args, **kw)
@@ -90,9 +97,16 @@ def _takes_name(method, index: int, keyword: str):
 
 # Every call of the fake core that takes an agent name, and where: converted here, once, as pybind11 converts
 # them before 1.5.1 sees them (the core's own peers, requests and events then hold str names only).
-_NAME_ARGS = {"__init__": (0, "name"), "makeConnection": (0, "name"), "prepXferDlist": (0, "agent_name"),
-              "createXferReq": (3, "remote_agent"), "genNotif": (0, "name"), "invalidateRemoteMD": (0, "name"),
-              "checkRemoteMD": (0, "name"), "fetchRemoteMD": (0, "remote_agent")}
+_NAME_ARGS = {
+    "__init__": (0, "name"),
+    "makeConnection": (0, "name"),
+    "prepXferDlist": (0, "agent_name"),
+    "createXferReq": (3, "remote_agent"),
+    "genNotif": (0, "name"),
+    "invalidateRemoteMD": (0, "name"),
+    "checkRemoteMD": (0, "name"),
+    "fetchRemoteMD": (0, "remote_agent"),
+}
 for _call, (_index, _keyword) in _NAME_ARGS.items():
     _method = getattr(nixlAgent, _call)
     if not getattr(_method, "__takes_name__", False):

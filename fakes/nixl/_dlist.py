@@ -14,8 +14,10 @@ import numpy as np
 from ._status import nixl_mem_t
 
 _U64 = 1 << 64
-_CAST = ("Unable to cast Python instance of type {} to C++ type '?' (#define PYBIND11_DETAILED_ERROR_MESSAGES or "
-         "compile in debug mode for details)")
+_CAST = (
+    "Unable to cast Python instance of type {} to C++ type '?' (#define PYBIND11_DETAILED_ERROR_MESSAGES or "
+    "compile in debug mode for details)"
+)
 
 
 def _u64(value: Any) -> int:
@@ -74,8 +76,10 @@ class _DList:
                     self._descs.append(self._make(tuple(row) + (b"",) * (self._arity - 3)))
                 return
             # pybind11 takes a list, a numpy array or a size: a tuple of tuples matches no constructor
-            raise TypeError(f"__init__(): incompatible constructor arguments; got {descs.__class__.__name__}, expected "
-                            "a list of tuples, an Nx3 numpy array or a size")
+            raise TypeError(
+                f"__init__(): incompatible constructor arguments; got {descs.__class__.__name__}, expected "
+                "a list of tuples, an Nx3 numpy array or a size"
+            )
         arity = self._arity
         for desc in descs:
             if not isinstance(desc, tuple) or len(desc) != arity:

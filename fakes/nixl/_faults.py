@@ -25,7 +25,7 @@ SITES: dict[str, str] = {
     "notif.drop": "a notification (standalone or carried by a transfer) never arrives",
     "notif.delay": "a notification arrives `delay` later",
     "peer.disconnect": "the first `after_posts` posts (default 0) from an agent to a peer succeed; the next one fails "
-                       "that endpoint",
+    "that endpoint",
 }
 
 # The parameters each site reads; anything else is a typo and refused.
@@ -40,8 +40,17 @@ PARAMS: dict[str, frozenset[str]] = {
 }
 
 STATUS_BY_NAME = {
-    "NOT_POSTED": -1, "INVALID_PARAM": -2, "BACKEND": -3, "NOT_FOUND": -4, "MISMATCH": -5, "NOT_ALLOWED": -6,
-    "REPOST_ACTIVE": -7, "UNKNOWN": -8, "NOT_SUPPORTED": -9, "REMOTE_DISCONNECT": -10, "CANCELED": -11,
+    "NOT_POSTED": -1,
+    "INVALID_PARAM": -2,
+    "BACKEND": -3,
+    "NOT_FOUND": -4,
+    "MISMATCH": -5,
+    "NOT_ALLOWED": -6,
+    "REPOST_ACTIVE": -7,
+    "UNKNOWN": -8,
+    "NOT_SUPPORTED": -9,
+    "REMOTE_DISCONNECT": -10,
+    "CANCELED": -11,
 }
 
 
@@ -60,12 +69,16 @@ class ArmedFault:
     def matches(self, site: str, agent: str | None, peer: str | None, pid: int | None = None) -> bool:
         if site != self.site or (self.times is not None and self.fired >= self.times):
             return False
-        return ((self.agent is None or self.agent == agent) and (self.peer is None or self.peer == peer)
-                and (self.pid is None or self.pid == pid))
+        return (
+            (self.agent is None or self.agent == agent)
+            and (self.peer is None or self.peer == peer)
+            and (self.pid is None or self.pid == pid)
+        )
 
     def __repr__(self) -> str:
-        who = ", ".join(f"{k}={v!r}" for k, v in (("agent", self.agent), ("pid", self.pid), ("peer", self.peer))
-                        if v is not None)
+        who = ", ".join(
+            f"{k}={v!r}" for k, v in (("agent", self.agent), ("pid", self.pid), ("peer", self.peer)) if v is not None
+        )
         extra = ", ".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
         return f"<ArmedFault {self.site}({', '.join(x for x in (who, extra) if x)}) fired={self.fired}>"
 
@@ -76,8 +89,16 @@ class FaultBoard:
         self.armed: list[ArmedFault] = []
         self.fired: list[tuple[str, str | None, str | None, float]] = []
 
-    def arm(self, site: str, *, agent: str | None = None, peer: str | None = None, times: int | None = None,
-            pid: int | None = None, **params: Any) -> ArmedFault:
+    def arm(
+        self,
+        site: str,
+        *,
+        agent: str | None = None,
+        peer: str | None = None,
+        times: int | None = None,
+        pid: int | None = None,
+        **params: Any,
+    ) -> ArmedFault:
         if site not in SITES:
             raise LookupError(f"fault site {site!r} not found; known: {', '.join(SITES)}")
         unknown = sorted(set(params) - PARAMS[site])
@@ -95,8 +116,9 @@ class FaultBoard:
         """The healing phase of a run: nothing fires any more, what already fired stays recorded."""
         self.armed.clear()
 
-    def take(self, site: str, agent: str | None, peer: str | None = None, *, pid: int | None = None,
-             nth: str | None = None) -> ArmedFault | None:
+    def take(
+        self, site: str, agent: str | None, peer: str | None = None, *, pid: int | None = None, nth: str | None = None
+    ) -> ArmedFault | None:
         """The first armed fault matching this call site (``agent``, of process ``pid``, towards ``peer``), marked
         as fired; None if none applies.
 

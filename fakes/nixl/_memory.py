@@ -133,7 +133,7 @@ def _decode(blob: bytes) -> tuple[str, str | None, SectionTable] | None:
     # Cached: in an EP group every rank loads every other rank's metadata, i.e. the same bytes N-1 times, and the
     # table built from them is shared by every loader.
     try:
-        body = json.loads(blob[len(MD_TAG):])
+        body = json.loads(blob[len(MD_TAG) :])
         return body["name"], body["conn"], SectionTable.of(tuple(region(*s) for s in body["sections"]))
     except (ValueError, KeyError, TypeError):
         return None
@@ -141,8 +141,10 @@ def _decode(blob: bytes) -> tuple[str, str | None, SectionTable] | None:
 
 def _check_dlist(descs: object, cls: type, call: str) -> None:
     if not isinstance(descs, cls):
-        raise TypeError(f"{call}(): incompatible function arguments. The following argument types are supported:\n"
-                        f"    1. (self: nixlAgent, descs: {cls.__name__}, backends: collections.abc.Sequence) -> None")
+        raise TypeError(
+            f"{call}(): incompatible function arguments. The following argument types are supported:\n"
+            f"    1. (self: nixlAgent, descs: {cls.__name__}, backends: collections.abc.Sequence) -> None"
+        )
 
 
 class MemoryMixin(AgentParts):
@@ -171,17 +173,24 @@ class MemoryMixin(AgentParts):
             S.fail(S.NOT_FOUND, f"registerMem: no available backends for mem type '{mem.name}'")
         profile = self.fabric.profile
         if mem == S.nixl_mem_t.VRAM_SEG and not profile.vram_ok:
-            S.fail(S.BACKEND, f"nixlUcxContext {self.name}: VRAM memory is detected as host by UCX. UCX is likely "
-                              "not configured with CUDA/ROCm support. VRAM registration cannot proceed.")
+            S.fail(
+                S.BACKEND,
+                f"nixlUcxContext {self.name}: VRAM memory is detected as host by UCX. UCX is likely "
+                "not configured with CUDA/ROCm support. VRAM registration cannot proceed.",
+            )
         fault = self.fabric.faults.take("register.fail", self.name, pid=self.pid)
         if fault is not None:
-            S.fail(STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
-                   "registerMem: registration failed for the specified or all potential backends "
-                   "(injected fault register.fail)")
+            S.fail(
+                STATUS_BY_NAME[fault.params.get("error", "BACKEND")],
+                "registerMem: registration failed for the specified or all potential backends "
+                "(injected fault register.fail)",
+            )
         triples = list(descs._triples())
         if not triples:  # 1.5.1 hands UCX nothing to register and reports its failure
-            S.fail(S.BACKEND, "registerMem: registration failed for the specified or all potential backends "
-                              "(empty descriptor list)")
+            S.fail(
+                S.BACKEND,
+                "registerMem: registration failed for the specified or all potential backends (empty descriptor list)",
+            )
         new = [region(int(mem), a, n, d, self._key_for(int(mem), a, n, d)) for a, n, d in triples]
         if profile.exclusive_pages:
             self._refuse_shared_pages(new)
@@ -189,8 +198,9 @@ class MemoryMixin(AgentParts):
         for r in new:
             self.region_index.add((r.mem, r.dev), r.addr, r.length, r)
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in new]
-        self.fabric.emit("register", agent=self.name, pid=self.pid, conn=self.conn,
-                         ranges=[(r.addr, r.length) for r in new])
+        self.fabric.emit(
+            "register", agent=self.name, pid=self.pid, conn=self.conn, ranges=[(r.addr, r.length) for r in new]
+        )
         return S.nixl_status_t.NIXL_SUCCESS
 
     def _refuse_shared_pages(self, new: list[Region]) -> None:
@@ -200,8 +210,11 @@ class MemoryMixin(AgentParts):
         for r in new:
             for other in taken:
                 if r.mem == other.mem and r.addr < other.end and other.addr < r.end:
-                    S.fail(S.BACKEND, f"registerMem: [0x{r.addr:x}, 0x{r.end:x}) overlaps memory already "
-                                      "registered in this process (rocm-strict profile)")
+                    S.fail(
+                        S.BACKEND,
+                        f"registerMem: [0x{r.addr:x}, 0x{r.end:x}) overlaps memory already "
+                        "registered in this process (rocm-strict profile)",
+                    )
             taken.append(r)
 
     def deregisterMem(self, descs: nixlRegDList, backends: list | None = None) -> S.nixl_status_t:
@@ -213,8 +226,9 @@ class MemoryMixin(AgentParts):
             # One list naming a range twice: 1.5.1 segfaults (on DRAM, whether the range was registered once or
             # twice, and for two tensors on the same storage); the hardened profiles refuse it instead.
             if self.fabric.profile.released_handle_use == "crash":
-                raise S.SimulatedCrash("SIGSEGV", "deregisterMem: the same range twice in one list (real NIXL 1.5.1 "
-                                                  "segfaults)")
+                raise S.SimulatedCrash(
+                    "SIGSEGV", "deregisterMem: the same range twice in one list (real NIXL 1.5.1 segfaults)"
+                )
             S.fail(S.INVALID_PARAM, "deregisterMem: the same range twice in one descriptor list")
         remaining = list(self.regions)
         matched: list[Region] = []
@@ -226,20 +240,23 @@ class MemoryMixin(AgentParts):
             else:
                 self.loopback_hidden.extend(matched)
                 # Observers learn of the refused range (a second deregistration is how a double release shows).
-                self.fabric.emit("deregister.refused", agent=self.name, pid=self.pid, conn=self.conn,
-                                 ranges=[(addr, length)])
+                self.fabric.emit(
+                    "deregister.refused", agent=self.name, pid=self.pid, conn=self.conn, ranges=[(addr, length)]
+                )
                 if not any(r.mem == mem for r in self.regions):
-                    S.fail(S.NOT_FOUND, f"deregisterMem: no available backends for mem type "
-                                        f"'{S.nixl_mem_t(mem).name}'")
-                S.fail(S.NOT_FOUND, "deregisterMem: deregistration failed on at least one backend with status "
-                                    "NIXL_ERR_NOT_FOUND")
+                    S.fail(S.NOT_FOUND, f"deregisterMem: no available backends for mem type '{S.nixl_mem_t(mem).name}'")
+                S.fail(
+                    S.NOT_FOUND,
+                    "deregisterMem: deregistration failed on at least one backend with status NIXL_ERR_NOT_FOUND",
+                )
         self.regions = remaining
         removed = matched
         for r in removed:
             self.region_index.remove(r)
         self.loopback_hidden = [r for r in self.loopback_hidden if r not in removed]
-        self.fabric.emit("deregister", agent=self.name, pid=self.pid, conn=self.conn,
-                         ranges=[(r.addr, r.length) for r in removed])
+        self.fabric.emit(
+            "deregister", agent=self.name, pid=self.pid, conn=self.conn, ranges=[(r.addr, r.length) for r in removed]
+        )
         return S.nixl_status_t.NIXL_SUCCESS
 
     def getLocalMD(self) -> bytes:

@@ -43,8 +43,9 @@ class PeersMixin(AgentParts):
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
         model = self.fabric.time_model
-        self.fabric.host_time(model.remote_setup_s if self.loaded_a_peer else model.first_remote_setup_s,
-                              "loading a remote agent")
+        self.fabric.host_time(
+            model.remote_setup_s if self.loaded_a_peer else model.first_remote_setup_s, "loading a remote agent"
+        )
         self.loaded_a_peer = True
         self._enter()
         name, conn, table = decode_md(metadata)
@@ -52,30 +53,44 @@ class PeersMixin(AgentParts):
             S.fail(S.INVALID_PARAM, "loadRemoteMD: remote agent name same as local agent, no need to load metadata")
         peer = self.peers.get(name)
         if peer is not None and conn is not None and peer.conn is not None and peer.conn != conn:
-            S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' already loaded with different connection "
-                                  "info; remove it first")
+            S.fail(
+                S.NOT_ALLOWED,
+                f"loadRemoteMD: remote agent '{name}' already loaded with different connection info; remove it first",
+            )
         if peer is None:
             if conn is None:
                 S.fail(S.NOT_FOUND, f"loadRemoteMD: no connection info for unknown remote agent '{name}'")
             if self.fabric.live_agent(conn) is None:
                 # UCX connects to the peer's worker while loading: an agent that is gone (destroyed, its process
                 # exited or killed) refuses, and the peer is not added (a retry fails the same way).
-                S.fail(S.BACKEND, f"loadRemoteMD: cannot connect to remote agent '{name}' (connection refused): "
-                                  "the agent is gone")
+                S.fail(
+                    S.BACKEND,
+                    f"loadRemoteMD: cannot connect to remote agent '{name}' (connection refused): the agent is gone",
+                )
             peer = Peer(name, conn, generation=self.fabric.new_id())
             adding = True
         else:
             adding = False
         if self.fabric.profile.refuse_changed_keys and peer.table.rekeys(table):
-            S.fail(S.NOT_ALLOWED, f"loadRemoteMD: remote agent '{name}' sent a new key for a known descriptor; "
-                                  "metadata updates are not allowed")
+            S.fail(
+                S.NOT_ALLOWED,
+                f"loadRemoteMD: remote agent '{name}' sent a new key for a known descriptor; "
+                "metadata updates are not allowed",
+            )
         peer.table = peer.table.merged(table)  # merged, never removed
         if peer.conn is None:
             peer.conn = conn
         if adding:
             self.peers[name] = peer
-        self.fabric.emit("peer.load", agent=self.name, pid=self.pid, conn=self.conn, peer=name, peer_conn=peer.conn,
-                         sections=table.count)
+        self.fabric.emit(
+            "peer.load",
+            agent=self.name,
+            pid=self.pid,
+            conn=self.conn,
+            peer=name,
+            peer_conn=peer.conn,
+            sections=table.count,
+        )
         return name.encode()
 
     def invalidateRemoteMD(self, name: str) -> S.nixl_status_t:
@@ -122,8 +137,7 @@ class PeersMixin(AgentParts):
             return S.nixl_status_t.NIXL_SUCCESS
         peer = self.peers.get(name)
         if peer is None:
-            S.fail(S.NOT_FOUND, "genNotif: no specified or potential backend could send the inter-agent "
-                                "notifications")
+            S.fail(S.NOT_FOUND, "genNotif: no specified or potential backend could send the inter-agent notifications")
         target = self._target(peer)
         if target is None:
             S.fail(S.REMOTE_DISCONNECT, f"genNotif: remote agent '{name}' is disconnected")

@@ -162,4 +162,3 @@ def name_of(code: int) -> str:
 
 NIXL_INIT_AGENT = ""
 DEFAULT_COMM_PORT = 8888
-

@@ -96,7 +96,7 @@ def _handle_value(fabric) -> int:
     return 0x7F00_0000_0000 + next(fabric._ids) * 0x40
 
 
-_INT_MIN, _INT_MAX = -2**31, 2**31 - 1  # pybind casts the indices to C++ ints
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # pybind casts the indices to C++ ints
 _IN_ORDER: dict[int, list[int]] = {}
 _LOOKUP = object()  # "look the peer up": None is an answer (not a peer)
 
@@ -113,8 +113,10 @@ _INT_TYPE = frozenset({int})
 
 
 def _cast_error(values: Any) -> None:
-    raise RuntimeError(f"Unable to cast Python instance of type {type(values)} to C++ type '?' (#define "
-                       "PYBIND11_DETAILED_ERROR_MESSAGES or compile in debug mode for details)")
+    raise RuntimeError(
+        f"Unable to cast Python instance of type {type(values)} to C++ type '?' (#define "
+        "PYBIND11_DETAILED_ERROR_MESSAGES or compile in debug mode for details)"
+    )
 
 
 def _indices(values: Any) -> list[int]:
@@ -167,8 +169,10 @@ class XferMixin(AgentParts):
         return side, peer, peer.table.index.find_each(mem, triples)
 
     def _no_registration(self, call: str) -> None:
-        S.fail(S.NOT_FOUND, f"{call}: no specified or potential backend had the required registrations to be able "
-                            "to do the transfer")
+        S.fail(
+            S.NOT_FOUND,
+            f"{call}: no specified or potential backend had the required registrations to be able to do the transfer",
+        )
 
     # -- preparation ----------------------------------------------------------------------------------------
     def prepXferDlist(self, agent_name: str, descs: Any, *rest: Any) -> int:
@@ -177,8 +181,9 @@ class XferMixin(AgentParts):
             triples, mem = tuple(descs._descs), int(descs._type)
         elif isinstance(descs, S.nixl_mem_t):  # strided overload: (name, mem, Nx5 array, backends)
             mem, rows = int(descs), rest[0]
-            triples = tuple((int(a) + i * int(st), int(n), int(d))
-                            for a, n, d, st, c in rows.tolist() for i in range(int(c)))
+            triples = tuple(
+                (int(a) + i * int(st), int(n), int(d)) for a, n, d, st, c in rows.tolist() for i in range(int(c))
+            )
         else:
             triples = tuple(self._xfer_triples(descs, "prepXferDlist"))
             mem = int(descs.getType())
@@ -189,8 +194,15 @@ class XferMixin(AgentParts):
             if region is None:
                 self._no_registration("prepXferDlist")
         handle = _handle_value(self.fabric)
-        self.dlists[handle] = PreppedDlist(handle, side, None if side == "local" else agent_name,
-                                           peer.generation if peer else None, mem, triples, regions)
+        self.dlists[handle] = PreppedDlist(
+            handle,
+            side,
+            None if side == "local" else agent_name,
+            peer.generation if peer else None,
+            mem,
+            triples,
+            regions,
+        )
         return handle
 
     def releasedDlistH(self, handle: int) -> S.nixl_status_t:
@@ -199,8 +211,17 @@ class XferMixin(AgentParts):
         return S.nixl_status_t.NIXL_SUCCESS
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def makeXferReq(self, op: Any, local_h: int, local_idx: Any, remote_h: int, remote_idx: Any,
-                    notif: bytes | str = b"", backends: list | None = None, skip_desc_merge: bool = False) -> int:
+    def makeXferReq(
+        self,
+        op: Any,
+        local_h: int,
+        local_idx: Any,
+        remote_h: int,
+        remote_idx: Any,
+        notif: bytes | str = b"",
+        backends: list | None = None,
+        skip_desc_merge: bool = False,
+    ) -> int:
         self._enter()
         local, remote = self.dlists.get(local_h), self.dlists.get(remote_h)
         if local is None or remote is None:
@@ -213,8 +234,10 @@ class XferMixin(AgentParts):
             assert remote.peer is not None  # a remote list names its peer
             known = self.peers.get(remote.peer)
             if known is None or known.generation != remote.generation:  # removed (and maybe added again) since
-                S.fail(S.NOT_FOUND, f"makeXferReq: remote agent '{remote.peer}' was removed after its descriptor "
-                                    "list was prepared")
+                S.fail(
+                    S.NOT_FOUND,
+                    f"makeXferReq: remote agent '{remote.peer}' was removed after its descriptor list was prepared",
+                )
         if not li or len(li) != len(ri):
             S.fail(S.INVALID_PARAM, f"makeXferReq: different index counts (local={len(li)}, remote={len(ri)})")
         lt, rt = local.triples, remote.triples
@@ -246,8 +269,15 @@ class XferMixin(AgentParts):
         peer = remote.peer if remote.side == "remote" and remote.peer is not None else self.name
         return self._new_req(op, peer, remote.generation, pairs, lregs, rregs, notif)
 
-    def createXferReq(self, op: Any, local_descs: Any, remote_descs: Any, remote_agent: str,
-                      notif: bytes | str = b"", backends: list | None = None) -> int:
+    def createXferReq(
+        self,
+        op: Any,
+        local_descs: Any,
+        remote_descs: Any,
+        remote_agent: str,
+        notif: bytes | str = b"",
+        backends: list | None = None,
+    ) -> int:
         self._enter()
         self._refuse_posix_only(backends, "createXferReq")
         lt = self._xfer_triples(local_descs, "createXferReq")
@@ -255,8 +285,9 @@ class XferMixin(AgentParts):
         if not lt and not rt:
             self._no_registration("createXferReq")  # nothing for any backend to move
         if len(lt) != len(rt):
-            S.fail(S.INVALID_PARAM, f"createXferReq: different descriptor list sizes (local={len(lt)}, "
-                                    f"remote={len(rt)})")
+            S.fail(
+                S.INVALID_PARAM, f"createXferReq: different descriptor list sizes (local={len(lt)}, remote={len(rt)})"
+            )
         for k, (loc, r) in enumerate(zip(lt, rt)):
             if loc[1] != r[1]:
                 S.fail(S.INVALID_PARAM, f"createXferReq: length mismatch at index {k}")
@@ -273,8 +304,9 @@ class XferMixin(AgentParts):
         fabric = self.fabric
         handle = _handle_value(fabric)
         msg = notif if type(notif) is bytes else notif.encode() if isinstance(notif, str) else bytes(notif)
-        req = self.xfers[handle] = XferReq(handle, _OPS.get(op) or _OPS[int(op)], peer, generation, pairs, lregs,
-                                           rregs, msg)
+        req = self.xfers[handle] = XferReq(
+            handle, _OPS.get(op) or _OPS[int(op)], peer, generation, pairs, lregs, rregs, msg
+        )
         thread_of = fabric.thread_of
         if thread_of is not None:
             owner = req.owner = thread_of()
@@ -340,8 +372,11 @@ class XferMixin(AgentParts):
                     raise S.SimulatedCrash("SIGSEGV", "transfer into local memory that was unmapped")
                 return S.BACKEND, "local memory was unmapped"
             live_remote = rreg in target.region_index
-            if profile.detect_recycled and not live_remote and any(
-                    r.addr == rreg.addr and r.length != rreg.length for r in target.regions):
+            if (
+                profile.detect_recycled
+                and not live_remote
+                and any(r.addr == rreg.addr and r.length != rreg.length for r in target.regions)
+            ):
                 return S.NOT_FOUND, "remote address was recycled with a different extent"
             if must_be_live:
                 if not live_remote:
@@ -366,14 +401,21 @@ class XferMixin(AgentParts):
             S.fail(S.REPOST_ACTIVE, "postXferReq: transfer request is still in progress and cannot be reposted")
         peer = self.peers.get(req.peer)  # None for loopback (an agent is never its own peer)
         if self._stale(req, peer):
-            S.fail(S.NOT_FOUND, f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
-                                "transfer request creation; not posting stale handle")
+            S.fail(
+                S.NOT_FOUND,
+                f"postXferReq: remote agent '{req.peer}' was invalidated or re-registered after "
+                "transfer request creation; not posting stale handle",
+            )
         if notif:
             req.notif = notif.encode() if isinstance(notif, str) else bytes(notif)  # persists for reposts (fact 19)
         faults = self.fabric.faults
         armed = bool(faults.armed)  # the common case: nothing to ask the fault board (four sites per post)
-        if armed and peer is not None and not peer.failed and faults.take("peer.disconnect", self.name, req.peer,
-                                                                          pid=self.pid, nth="after_posts"):
+        if (
+            armed
+            and peer is not None
+            and not peer.failed
+            and faults.take("peer.disconnect", self.name, req.peer, pid=self.pid, nth="after_posts")
+        ):
             self._fail_endpoint(peer, "injected fault peer.disconnect")
         problem = self._access_error(req, peer)
         if problem is not None:
@@ -428,8 +470,17 @@ class XferMixin(AgentParts):
             listener(kind, self, req, target)
         if listeners:
             spans = req.spans
-            fields = {"agent": self.name, "pid": self.pid, "conn": self.conn, "peer": req.peer, "target": target,
-                      "op": req.op, "nbytes": req.nbytes, "local": list(spans[0]), "remote": list(spans[1])}
+            fields = {
+                "agent": self.name,
+                "pid": self.pid,
+                "conn": self.conn,
+                "peer": req.peer,
+                "target": target,
+                "op": req.op,
+                "nbytes": req.nbytes,
+                "local": list(spans[0]),
+                "remote": list(spans[1]),
+            }
             for listen in listeners:
                 listen(kind, fields)
 
@@ -478,8 +529,10 @@ class XferMixin(AgentParts):
         if req.state == NEW:
             S.fail(S.NOT_POSTED, "getXferStatus: transfer request was not posted")
         if req.state != DONE and self._stale(req):  # a DONE state is sticky, even towards a removed peer
-            S.fail(S.NOT_FOUND, f"getXferStatus: remote agent '{req.peer}' was invalidated or re-registered during "
-                                "transfer")
+            S.fail(
+                S.NOT_FOUND,
+                f"getXferStatus: remote agent '{req.peer}' was invalidated or re-registered during transfer",
+            )
         if req.state == PROC:
             req.polls += 1
             fault = req.fail_after
@@ -534,9 +587,13 @@ class XferMixin(AgentParts):
         start, end = req.posted
         post = max(1, round((end - start) * 1e6))
         done = req.done_at if req.done_at is not None else self._telemetry_now()
-        return nixlXferTelemetry(startTime=max(1, round(start * 1e6)), postDuration=post,
-                                 xferDuration=max(post, round((done - start) * 1e6)), totalBytes=req.nbytes,
-                                 descCount=len(req.pairs))
+        return nixlXferTelemetry(
+            startTime=max(1, round(start * 1e6)),
+            postDuration=post,
+            xferDuration=max(post, round((done - start) * 1e6)),
+            totalBytes=req.nbytes,
+            descCount=len(req.pairs),
+        )
 
     def queryXferBackend(self, handle: int) -> int:
         self._req(handle, "queryXferBackend")

@@ -13,8 +13,14 @@ import logging
 import os
 import sys
 
-_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
-           "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+_LEVELS = {
+    "TRACE": logging.DEBUG,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "FATAL": logging.CRITICAL,
+}
 _configured = False
 
 
@@ -37,8 +43,9 @@ def setup_logging() -> None:
     root = logging.getLogger("nixl")
     handler = logging.StreamHandler(sys.stdout)
     handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s NIXL %(levelname)-7s %(filename)s:%(lineno)d %(message)s",
-                                           "%Y-%m-%d %H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s NIXL %(levelname)-7s %(filename)s:%(lineno)d %(message)s", "%Y-%m-%d %H:%M:%S")
+    )
     root.handlers[:] = [handler]
     root.propagate = False
     root.setLevel(logging.INFO)

@@ -49,9 +49,11 @@ PROFILES: dict[str, Profile] = {
             released_handle_use="raise",
             detect_recycled=True,
             memory="VRAM",
-            differs_from_dram=("VRAM registrations of simulated device memory are accepted",
-                               "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
-                               "a recycled address with a new extent is refused at post"),
+            differs_from_dram=(
+                "VRAM registrations of simulated device memory are accepted",
+                "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
+                "a recycled address with a new extent is refused at post",
+            ),
         ),
         Profile(
             name="rdma",
@@ -63,10 +65,12 @@ PROFILES: dict[str, Profile] = {
             refuse_changed_keys=True,
             released_handle_use="raise",
             detect_recycled=True,
-            differs_from_dram=("a transfer touching deregistered or freed memory fails with nixlRemoteDisconnectError",
-                               "re-registration gives a new remote key; a peer reload carrying it is NOT_ALLOWED",
-                               "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
-                               "a recycled address with a new extent is refused at post"),
+            differs_from_dram=(
+                "a transfer touching deregistered or freed memory fails with nixlRemoteDisconnectError",
+                "re-registration gives a new remote key; a peer reload carrying it is NOT_ALLOWED",
+                "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
+                "a recycled address with a new extent is refused at post",
+            ),
         ),
         Profile(
             name="rocm-strict",
@@ -78,10 +82,11 @@ PROFILES: dict[str, Profile] = {
             released_handle_use="raise",
             detect_recycled=True,
             memory="VRAM",
-            differs_from_dram=("registering memory that overlaps a live registration in the same process "
-                               "raises nixlBackendError",
-                               "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
-                               "a recycled address with a new extent is refused at post"),
+            differs_from_dram=(
+                "registering memory that overlaps a live registration in the same process raises nixlBackendError",
+                "use of a released handle raises nixlInvalidParamError instead of SIGSEGV",
+                "a recycled address with a new extent is refused at post",
+            ),
         ),
     )
 }

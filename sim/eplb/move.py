@@ -57,8 +57,7 @@ def rank_space(old: Placement, new: Placement, rank_mapping: RankMapping = None)
     """The communication ranks for moving from ``old`` to ``new``; see the module docstring."""
     for what in ("num_layers", "num_local_experts", "num_logical"):
         if getattr(old, what) != getattr(new, what):
-            raise EplbError(f"old and new placements differ in {what}: {getattr(old, what)} vs "
-                            f"{getattr(new, what)}")
+            raise EplbError(f"old and new placements differ in {what}: {getattr(old, what)} vs {getattr(new, what)}")
     mapping = normalize_rank_mapping(rank_mapping, old.ep_size, new.ep_size)
     targets = {t for t in mapping.values() if t >= 0}
     if len(targets) == new.ep_size:  # every new rank is an old one: run on the old group
@@ -69,8 +68,9 @@ def rank_space(old: Placement, new: Placement, rank_mapping: RankMapping = None)
     raise EplbError(f"rank_mapping {mapping} both removes ranks and adds new ones; do one at a time")
 
 
-def layer_indices(old: Placement, new: Placement, layer: int,
-                  rank_mapping: RankMapping = None) -> tuple[np.ndarray, np.ndarray]:
+def layer_indices(
+    old: Placement, new: Placement, layer: int, rank_mapping: RankMapping = None
+) -> tuple[np.ndarray, np.ndarray]:
     """vLLM's ``old_global_expert_indices`` / ``new_global_expert_indices`` for one layer in the communication rank
     space: two flat int64 arrays of ``space.size * num_local_experts`` logical ids, -1 for a slot with no expert."""
     space = rank_space(old, new, rank_mapping)
@@ -79,9 +79,9 @@ def layer_indices(old: Placement, new: Placement, layer: int,
     new_idx = np.full(space.size * n, -1, dtype=np.int64)
     for c in range(space.size):
         if space.to_old[c] >= 0:
-            old_idx[c * n:(c + 1) * n] = old.rank_rows(space.to_old[c], layer)
+            old_idx[c * n : (c + 1) * n] = old.rank_rows(space.to_old[c], layer)
         if space.to_new[c] >= 0:
-            new_idx[c * n:(c + 1) * n] = new.rank_rows(space.to_new[c], layer)
+            new_idx[c * n : (c + 1) * n] = new.rank_rows(space.to_new[c], layer)
     return old_idx, new_idx
 
 
@@ -92,13 +92,13 @@ class LayerPlan:
 
     layer: int
     rank: int
-    old_rows: list[int]                         # logical id per row before the move (-1: none)
-    new_rows: list[int]                         # logical id per row after the move (-1: none)
-    unchanged: list[int] = field(default_factory=list)               # rows left alone
+    old_rows: list[int]  # logical id per row before the move (-1: none)
+    new_rows: list[int]  # logical id per row after the move (-1: none)
+    unchanged: list[int] = field(default_factory=list)  # rows left alone
     local_copies: list[tuple[int, int]] = field(default_factory=list)  # (dst_row, src_row), staged via the buffer
-    recvs: list[tuple[int, int, int]] = field(default_factory=list)    # (dst_row, src_rank, logical), by logical
-    recv_copies: list[tuple[int, int]] = field(default_factory=list)   # (dst_row, buffer_row) of a received expert
-    sends: list[tuple[int, int]] = field(default_factory=list)         # (dst_rank, logical), by logical then rank
+    recvs: list[tuple[int, int, int]] = field(default_factory=list)  # (dst_row, src_rank, logical), by logical
+    recv_copies: list[tuple[int, int]] = field(default_factory=list)  # (dst_row, buffer_row) of a received expert
+    sends: list[tuple[int, int]] = field(default_factory=list)  # (dst_rank, logical), by logical then rank
 
     def send_row(self, logical: int) -> int:
         """The row a reader of ``logical`` reads from this rank: the lowest old row holding it (-1: none)."""
@@ -133,8 +133,9 @@ def _needs(old_rows: list[int], new_rows: list[int]):
     return unchanged, local, first_recv, recv_copies
 
 
-def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
-             needs: list[tuple] | None = None) -> dict[tuple[int, int], int]:
+def _sources(
+    old_rows: list[list[int]], new_rows: list[list[int]], layer: int, needs: list[tuple] | None = None
+) -> dict[tuple[int, int], int]:
     """``needs``: every rank's :func:`_needs`, if the caller has them already."""
     if needs is None:
         needs = [_needs(o, n) for o, n in zip(old_rows, new_rows)]
@@ -152,8 +153,10 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
     for logical, recv in receivers.items():
         holders = holding.get(logical)
         if not holders:
-            raise EplbError(f"logical expert {logical} of layer {layer} is needed by rank {recv[0][0]} but no rank "
-                            f"holds it before the move")
+            raise EplbError(
+                f"logical expert {logical} of layer {layer} is needed by rank {recv[0][0]} but no rank "
+                f"holds it before the move"
+            )
         # vLLM's pairing: each holder serves a contiguous run of len(recv) // len(holders) receivers, in rank order,
         # and the receivers left over go one to each holder from the first.
         per = len(recv) // len(holders)
@@ -163,8 +166,9 @@ def _sources(old_rows: list[list[int]], new_rows: list[list[int]], layer: int,
     return dict(sorted(out.items()))
 
 
-def plan_sources(old: Placement, new: Placement, layer: int,
-                 rank_mapping: RankMapping = None) -> dict[tuple[int, int], int]:
+def plan_sources(
+    old: Placement, new: Placement, layer: int, rank_mapping: RankMapping = None
+) -> dict[tuple[int, int], int]:
     """``{(dst_rank, dst_row): src_rank}`` for every expert received in ``layer``, one entry per (rank, expert) at
     the lowest row that needs it.  As vLLM pairs them: an expert's receivers (ranks that need it and do not hold it,
     ascending) are split into contiguous runs, one per rank holding it in ``old`` (ascending), the remainder one per
@@ -185,17 +189,16 @@ def _sends_by_rank(new_rows, sources) -> dict[int, list[tuple[int, int]]]:
 
 def _plan(old_rows, new_rows, layer: int, rank: int, sources, sends_by_rank=None, needs=None) -> LayerPlan:
     unchanged, local, first_recv, recv_copies = needs if needs is not None else _needs(old_rows[rank], new_rows[rank])
-    recvs = sorted(((row, sources[(rank, row)], logical) for logical, row in first_recv.items()),
-                   key=lambda x: x[2])
+    recvs = sorted(((row, sources[(rank, row)], logical) for logical, row in first_recv.items()), key=lambda x: x[2])
     if sends_by_rank is None:
         sends_by_rank = _sends_by_rank(new_rows, sources)
     sends = sends_by_rank.get(rank, [])
-    return LayerPlan(layer, rank, list(old_rows[rank]), list(new_rows[rank]), unchanged, local, recvs,
-                     recv_copies, sends)
+    return LayerPlan(
+        layer, rank, list(old_rows[rank]), list(new_rows[rank]), unchanged, local, recvs, recv_copies, sends
+    )
 
 
-def plan_layer(old: Placement, new: Placement, layer: int, rank: int,
-               rank_mapping: RankMapping = None) -> LayerPlan:
+def plan_layer(old: Placement, new: Placement, layer: int, rank: int, rank_mapping: RankMapping = None) -> LayerPlan:
     """The plan of communication rank ``rank`` for ``layer``."""
     old_rows, new_rows = _rows(old, new, layer, rank_mapping)
     if not 0 <= rank < len(old_rows):
@@ -293,8 +296,10 @@ def rearrange_in_memory(old: Placement, new: Placement, weights, rank_mapping: R
             buf = [w.new_full(tuple(w.shape), float("nan")) for w in weights[c][layer]]
             for dst_row, src, logical in plan.recvs:
                 if (c, logical) not in plans[src].sends:
-                    raise EplbError(f"layer {layer}: rank {c} reads logical {logical} from rank {src}, which does "
-                                    f"not list that send")
+                    raise EplbError(
+                        f"layer {layer}: rank {c} reads logical {logical} from rank {src}, which does "
+                        f"not list that send"
+                    )
                 src_row = plans[src].send_row(logical)
                 for b, w in zip(buf, weights[src][layer], strict=True):
                     b[dst_row].copy_(w[src_row])
@@ -330,8 +335,9 @@ class RowViews:
         return got[1]
 
 
-def move_layer(comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan, rows,
-               stream=None) -> None:
+def move_layer(
+    comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan, rows, stream=None
+) -> None:
     """One layer of vLLM's ``rearrange_expert_weights_inplace`` through an EPLB communicator: the transfer context,
     local copies staged in ``expert_buffer``, every send and recv, ``execute()``, then the buffer into the weights.
     ``rows(tensors, row)`` gives the per-expert views passed to ``add_send``/``add_recv``.  The real worker moves
@@ -344,8 +350,9 @@ def move_layer(comm, layer: int, old_indices: Sequence[int] | np.ndarray, weight
     issue_move_from_buffer(weights_layer, buffer, plan, rows, stream, layer)
 
 
-def transfer_layer(comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan,
-                   rows, stream=None) -> None:
+def transfer_layer(
+    comm, layer: int, old_indices: Sequence[int] | np.ndarray, weights_layer, buffer, plan: LayerPlan, rows, stream=None
+) -> None:
     """The first part of :func:`move_layer` (vLLM's ``transfer_layer``): local copies staged in ``expert_buffer`` on
     ``stream``, then the transfer context, every send and recv, ``execute()``, in the order of vLLM 0.33.0's
     ``move_to_buffer`` (a ``set_transfer_context`` that synchronizes the stream, as its ROCm branch does, waits for

@@ -37,8 +37,9 @@ from .state import EplbError, ModelShape, Placement
 def _check_load(load: np.ndarray, num_layers: int, num_logical: int) -> np.ndarray:
     arr = np.asarray(load)
     if arr.shape != (num_layers, num_logical):
-        raise EplbError(f"load must have shape (num_layers={num_layers}, num_logical_experts={num_logical}), "
-                        f"got {tuple(arr.shape)}")
+        raise EplbError(
+            f"load must have shape (num_layers={num_layers}, num_logical_experts={num_logical}), got {tuple(arr.shape)}"
+        )
     if arr.dtype.kind not in "biuf":
         raise EplbError(f"load must be numeric, got dtype {arr.dtype}")
     arr = arr.astype(np.float64)
@@ -99,7 +100,7 @@ def _layer(loads: list[float], num_physical: int, ep_size: int, num_groups: int,
     num_logical = len(loads)
     group_size = num_logical // num_groups
     # 1. Groups onto nodes by their summed load; a node's experts, in its order, are its groups' experts in turn.
-    group_loads = [sum(loads[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
+    group_loads = [sum(loads[g * group_size : (g + 1) * group_size]) for g in range(num_groups)]
     ranks_per_node = ep_size // num_nodes
     out: list[list[int]] = []
     for groups in balanced_packing(group_loads, num_nodes):
@@ -118,7 +119,7 @@ def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int
     not yet placed replica of its old expert; the remaining new experts fill the other slots in their new order."""
     placed: list[int | None] = [None] * len(new_rows)
     free: list[int | None] = list(new_rows)  # new experts not yet placed (None once placed)
-    for slot, was in enumerate(old_rows[:len(new_rows)]):
+    for slot, was in enumerate(old_rows[: len(new_rows)]):
         if was in free:
             i = free.index(was)
             placed[slot], free[i] = was, None
@@ -126,8 +127,9 @@ def preserve_slots(new_rows: Sequence[int], old_rows: Sequence[int]) -> list[int
     return [e if e is not None else next(rest) for e in placed]
 
 
-def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Placement | None = None,
-              num_nodes: int = 1) -> Placement:
+def rebalance(
+    load: np.ndarray, shape: ModelShape, ep_size: int, previous: Placement | None = None, num_nodes: int = 1
+) -> Placement:
     """The placement for ``ep_size`` ranks on ``num_nodes`` nodes given the ``[num_layers, num_logical_experts]``
     load (e.g. :meth:`~sim.eplb.state.LoadWindow.total` after the all-reduce).  ``previous``: the placement being
     replaced; every rank that exists in both keeps the experts it keeps in their old slots (:func:`preserve_slots`),
@@ -137,8 +139,7 @@ def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Place
     arr = _check_load(load, shape.num_layers, shape.num_logical_experts)
     num_local = shape.num_local_experts
     if previous is not None and previous.num_local_experts != num_local:
-        raise EplbError(f"previous placement has {previous.num_local_experts} slots per rank, the shape "
-                        f"{num_local}")
+        raise EplbError(f"previous placement has {previous.num_local_experts} slots per rank, the shape {num_local}")
     groups, nodes = node_layout(shape.num_expert_groups, num_nodes, ep_size)
     num_physical = shape.num_physical(ep_size)
     out = np.empty((shape.num_layers, num_physical), dtype=np.int64)
@@ -147,7 +148,7 @@ def rebalance(load: np.ndarray, shape: ModelShape, ep_size: int, previous: Place
         for rank, ids in enumerate(_layer(arr[layer].tolist(), num_physical, ep_size, groups, nodes)):
             if rank < kept and previous is not None:
                 ids = preserve_slots(ids, previous.rank_rows(rank, layer).tolist())
-            out[layer, rank * num_local:(rank + 1) * num_local] = ids
+            out[layer, rank * num_local : (rank + 1) * num_local] = ids
     return Placement(out, ep_size, shape.num_logical_experts)
 
 

@@ -61,8 +61,10 @@ class ModelShape:
         _check_int("hidden", self.hidden, 1)
         _check_int("num_expert_groups", self.num_expert_groups, 1)
         if self.num_logical_experts % self.num_expert_groups:
-            raise EplbError(f"num_logical_experts={self.num_logical_experts} does not split into "
-                            f"num_expert_groups={self.num_expert_groups} equal groups")
+            raise EplbError(
+                f"num_logical_experts={self.num_logical_experts} does not split into "
+                f"num_expert_groups={self.num_expert_groups} equal groups"
+            )
 
     def num_physical(self, ep_size: int) -> int:
         """Physical expert slots over the whole EP group: ``num_local_experts * ep_size``."""
@@ -79,14 +81,16 @@ class ModelShape:
             raise EplbError(
                 f"num_local_experts={self.num_local_experts} x ep_size={ep_size} gives "
                 f"{self.num_physical(ep_size)} physical slots, fewer than num_logical_experts="
-                f"{self.num_logical_experts}")
+                f"{self.num_logical_experts}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------- placement
 
 
-def normalize_rank_mapping(rank_mapping: Mapping[int, int] | Sequence[int] | None, old_ep_size: int,
-                           new_ep_size: int) -> dict[int, int]:
+def normalize_rank_mapping(
+    rank_mapping: Mapping[int, int] | Sequence[int] | None, old_ep_size: int, new_ep_size: int
+) -> dict[int, int]:
     """vLLM's ``rank_mapping`` (old rank -> new rank, or -1 for a removed rank) as a complete dict.
 
     ``None`` means identity for the ranks that fit (``old_rank < new_ep_size``) and -1 for the others.  A sequence is
@@ -136,17 +140,22 @@ class Placement:
         arr = np.array(raw, dtype=np.int64, copy=True)
         ep_size = _check_int("ep_size", ep_size, 1)
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
-            raise EplbError(f"physical_to_logical must be a non-empty [num_layers, num_physical] array, "
-                            f"got shape {tuple(arr.shape)}")
+            raise EplbError(
+                f"physical_to_logical must be a non-empty [num_layers, num_physical] array, "
+                f"got shape {tuple(arr.shape)}"
+            )
         if arr.shape[1] % ep_size:
-            raise EplbError(f"num_physical={arr.shape[1]} of physical_to_logical is not a multiple of "
-                            f"ep_size={ep_size}")
+            raise EplbError(
+                f"num_physical={arr.shape[1]} of physical_to_logical is not a multiple of ep_size={ep_size}"
+            )
         if num_logical is None:
             num_logical = int(arr.max()) + 1
         num_logical = _check_int("num_logical", num_logical, 1)
         if arr.min() < 0 or arr.max() >= num_logical:
-            raise EplbError(f"physical_to_logical holds ids outside 0..{num_logical - 1}: "
-                            f"min {int(arr.min())}, max {int(arr.max())}")
+            raise EplbError(
+                f"physical_to_logical holds ids outside 0..{num_logical - 1}: "
+                f"min {int(arr.min())}, max {int(arr.max())}"
+            )
         for layer in range(arr.shape[0]):
             present = np.zeros(num_logical, dtype=bool)
             present[arr[layer]] = True
@@ -216,7 +225,7 @@ class Placement:
         """Read-only view of the logical ids in ``rank``'s slots of ``layer`` (row order)."""
         rank, layer = self._check_rank(rank), self._check_layer(layer)
         n = self.num_local_experts
-        return self._p2l[layer, rank * n:(rank + 1) * n]
+        return self._p2l[layer, rank * n : (rank + 1) * n]
 
     def local(self, rank: int, layer: int) -> list[int]:
         """The logical ids in ``rank``'s slots of ``layer``, in row order."""
@@ -270,7 +279,7 @@ class Placement:
         out = np.full((self.num_layers, n * new_ep_size), -1, dtype=np.int64)
         for old, new in sorted(mapping.items()):
             if new >= 0:
-                out[:, new * n:(new + 1) * n] = self._p2l[:, old * n:(old + 1) * n]
+                out[:, new * n : (new + 1) * n] = self._p2l[:, old * n : (old + 1) * n]
         targets = set(mapping.values())
         fresh = [r for r in range(new_ep_size) if r not in targets]
         removed = sorted(r for r, t in mapping.items() if t < 0)
@@ -279,8 +288,10 @@ class Placement:
             counts = np.bincount(kept, minlength=self._num_logical)
             lost = np.flatnonzero(counts == 0).tolist()
             if lost:
-                raise EplbError(f"removing ranks {removed} loses logical experts {lost} of layer {layer}; "
-                                f"every logical expert needs a slot on a surviving rank")
+                raise EplbError(
+                    f"removing ranks {removed} loses logical experts {lost} of layer {layer}; "
+                    f"every logical expert needs a slot on a surviving rank"
+                )
             for rank in fresh:
                 on_rank: set[int] = set()
                 for row in range(n):
@@ -306,8 +317,12 @@ class Placement:
             return NotImplemented
         if self is other:
             return True
-        return (self._ep_size == other._ep_size and self._num_logical == other._num_logical
-                and self._p2l.shape == other._p2l.shape and bool(np.array_equal(self._p2l, other._p2l)))
+        return (
+            self._ep_size == other._ep_size
+            and self._num_logical == other._num_logical
+            and self._p2l.shape == other._p2l.shape
+            and bool(np.array_equal(self._p2l, other._p2l))
+        )
 
     def __hash__(self) -> int:
         try:
@@ -353,8 +368,9 @@ class LoadWindow:
         steps = _check_int("steps", steps, 1)
         arr = np.asarray(layer_loads)
         if arr.shape != (self.num_layers, self.num_logical):
-            raise EplbError(f"layer_loads must have shape ({self.num_layers}, {self.num_logical}), "
-                            f"got {tuple(arr.shape)}")
+            raise EplbError(
+                f"layer_loads must have shape ({self.num_layers}, {self.num_logical}), got {tuple(arr.shape)}"
+            )
         if arr.dtype.kind not in "biuf":
             raise EplbError(f"layer_loads must be numeric, got dtype {arr.dtype}")
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.floor(arr))):
@@ -409,8 +425,9 @@ def fill_weights(weights, placement: Placement, rank: int) -> None:
         ids = placement.local(rank, layer)
         for t, tensor in enumerate(tensors):
             if tensor.dim() != 2 or tensor.shape[0] != len(ids):
-                raise EplbError(f"weights[{layer}][{t}] must be [num_local_experts={len(ids)}, hidden], "
-                                f"got {tuple(tensor.shape)}")
+                raise EplbError(
+                    f"weights[{layer}][{t}] must be [num_local_experts={len(ids)}, hidden], got {tuple(tensor.shape)}"
+                )
             # One copy per tensor: every element of row i holds its slot's signature.
             values = [signature(layer, logical) + t * 0.25 for logical in ids]
             tensor.copy_(tensor.new_tensor(values)[:, None].expand_as(tensor))
@@ -435,13 +452,17 @@ def _all_right(weights, placement: Placement, rank: int, arrays=None) -> bool:
     else:
         tensors = [t.detach().cpu().numpy() for layer in weights for t in layer]
     n = placement.num_local_experts
-    if not tensors or any(a.ndim != 2 for a in tensors) or len({a.shape for a in tensors}) != 1 or \
-            tensors[0].shape[0] != n:
+    if (
+        not tensors
+        or any(a.ndim != 2 for a in tensors)
+        or len({a.shape for a in tensors}) != 1
+        or tensors[0].shape[0] != n
+    ):
         return False
     per_layer = len(weights[0])
     if any(len(layer) != per_layer for layer in weights):
         return False
-    ids = placement.physical_to_logical[:, rank * n:(rank + 1) * n].astype(np.float64)  # [layers, n]
+    ids = placement.physical_to_logical[:, rank * n : (rank + 1) * n].astype(np.float64)  # [layers, n]
     base = np.arange(placement.num_layers, dtype=np.float64)[:, None] * 1000.0 + ids  # signature(layer, logical)
     want = base[:, None, :] + np.arange(per_layer, dtype=np.float64)[None, :, None] * 0.25  # [layers, tensors, n]
     got = np.stack(tensors).reshape(placement.num_layers, per_layer, n, -1)
@@ -454,16 +475,18 @@ def _wrong_rows(weights, placement: Placement, rank: int) -> list[str]:
         ids = placement.local(rank, layer)
         for t, tensor in enumerate(tensors):
             if tensor.dim() != 2 or tensor.shape[0] != len(ids):
-                problems.append(f"rank {rank} layer {layer} tensor {t}: shape {tuple(tensor.shape)}, expected "
-                                f"[{len(ids)}, hidden]")
+                problems.append(
+                    f"rank {rank} layer {layer} tensor {t}: shape {tuple(tensor.shape)}, expected [{len(ids)}, hidden]"
+                )
                 continue
             rows = tensor.detach().cpu().tolist()
             for row, logical in enumerate(ids):
                 want = signature(layer, logical) + t * 0.25
                 wrong = [v for v in rows[row] if v != want]
                 if wrong:
-                    problems.append(f"rank {rank} layer {layer} tensor {t} row {row}: expected logical {logical} "
-                                    f"({want:g}), found {_describe(wrong[0], t)}"
-                                    + (f" in {len(wrong)} of {len(rows[row])} elements"
-                                       if len(wrong) != len(rows[row]) else ""))
+                    problems.append(
+                        f"rank {rank} layer {layer} tensor {t} row {row}: expected logical {logical} "
+                        f"({want:g}), found {_describe(wrong[0], t)}"
+                        + (f" in {len(wrong)} of {len(rows[row])} elements" if len(wrong) != len(rows[row]) else "")
+                    )
     return problems

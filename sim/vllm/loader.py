@@ -45,8 +45,12 @@ class _StandinLoader(importlib.abc.Loader):
 
 def _spec(fullname: str, path: Path, package: bool = False):
     # Each simulated process executes its own instance of vLLM's modules; compiling them is most of that cost.
-    return importlib.util.spec_from_file_location(fullname, path, loader=CompiledOnce(fullname, str(path)),
-                                                  submodule_search_locations=[str(path.parent)] if package else None)
+    return importlib.util.spec_from_file_location(
+        fullname,
+        path,
+        loader=CompiledOnce(fullname, str(path)),
+        submodule_search_locations=[str(path.parent)] if package else None,
+    )
 
 
 class _VllmFinder(importlib.abc.MetaPathFinder):

@@ -83,8 +83,17 @@ class VllmMoveLoop:
     def __init__(self, module: Any, device: torch.device) -> None:
         self.module, self.device = module, device
 
-    def rearrange(self, old_p2l: np.ndarray, new_p2l: np.ndarray, weights: Sequence, buffer: Sequence, ep_group: Any,
-                  communicator: Any, rank_mapping: dict[int, int] | None, stream: Any) -> None:
+    def rearrange(
+        self,
+        old_p2l: np.ndarray,
+        new_p2l: np.ndarray,
+        weights: Sequence,
+        buffer: Sequence,
+        ep_group: Any,
+        communicator: Any,
+        rank_mapping: dict[int, int] | None,
+        stream: Any,
+    ) -> None:
         """``rearrange_expert_weights_inplace``: every layer, as a synchronous rebalance (and vLLM's elastic
         reshuffle) moves them."""
         self.module.rearrange_expert_weights_inplace(
@@ -92,11 +101,23 @@ class VllmMoveLoop:
             new_global_expert_indices=_indices(new_p2l),
             expert_weights=stream_views(weights, self.device, stream),
             expert_buffer=stream_views(buffer, self.device, stream),
-            ep_group=ep_group, communicator=communicator, rank_mapping=rank_mapping)
+            ep_group=ep_group,
+            communicator=communicator,
+            rank_mapping=rank_mapping,
+        )
 
-    def transfer_layer(self, layer: int, old_p2l: np.ndarray, new_p2l: np.ndarray, weights_layer: Sequence,
-                       buffer: Sequence, ep_group: Any, communicator: Any, rank_mapping: dict[int, int] | None,
-                       stream: Any) -> Any:
+    def transfer_layer(
+        self,
+        layer: int,
+        old_p2l: np.ndarray,
+        new_p2l: np.ndarray,
+        weights_layer: Sequence,
+        buffer: Sequence,
+        ep_group: Any,
+        communicator: Any,
+        rank_mapping: dict[int, int] | None,
+        stream: Any,
+    ) -> Any:
         """``transfer_layer`` for one layer, as vLLM's async thread calls it; returns its ``TransferMetadata``.
         (vLLM passes the async thread's own stream, which waits for the main stream's consumed event; one in-order
         stream per process stands for both, as in ``sim/worker.py``.)"""
@@ -105,15 +126,30 @@ class VllmMoveLoop:
             new_layer_indices=_indices(new_p2l[layer]),
             expert_weights=stream_views(weights_layer, self.device, stream),
             expert_weights_buffer=stream_views(buffer, self.device, stream),
-            ep_group=ep_group, communicator=communicator, rank_mapping=rank_mapping, layer_idx=layer)
+            ep_group=ep_group,
+            communicator=communicator,
+            rank_mapping=rank_mapping,
+            layer_idx=layer,
+        )
 
-    def move_from_buffer(self, layer: int, new_p2l: np.ndarray, metadata: Any, weights_layer: Sequence,
-                         buffer: Sequence, ep_rank: int, stream: Any) -> None:
+    def move_from_buffer(
+        self,
+        layer: int,
+        new_p2l: np.ndarray,
+        metadata: Any,
+        weights_layer: Sequence,
+        buffer: Sequence,
+        ep_rank: int,
+        stream: Any,
+    ) -> None:
         """``move_from_buffer`` for one layer, as vLLM's main thread calls it (``_move_to_workspace``)."""
         self.module.move_from_buffer(
             expert_weights=stream_views(weights_layer, self.device, stream),
             expert_weights_buffers=stream_views(buffer, self.device, stream),
-            transfer_metadata=metadata, new_indices=np.array(new_p2l[layer]), ep_rank=ep_rank)
+            transfer_metadata=metadata,
+            new_indices=np.array(new_p2l[layer]),
+            ep_rank=ep_rank,
+        )
 
 
 def of(factory: Any) -> VllmMoveLoop | None:

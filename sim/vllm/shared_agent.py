@@ -24,8 +24,9 @@ from .strategy import BACKEND, COMMUNICATOR_MODULE, VllmProcess
 class SharedAgentProcess(VllmProcess):
     def __init__(self, path: str | None, name: str) -> None:
         super().__init__(path, name)
-        self.cls = _subclass(self.vllm[COMMUNICATOR_MODULE].NixlEplbCommunicator,
-                             self.vllm["vllm.distributed.nixl_utils"])
+        self.cls = _subclass(
+            self.vllm[COMMUNICATOR_MODULE].NixlEplbCommunicator, self.vllm["vllm.distributed.nixl_utils"]
+        )
 
     def create(self, group: Any, expert_weights: Any, expert_buffer: Any, prev_communicator: Any = None) -> Any:
         """vLLM's ``create_eplb_communicator`` for ``nixl`` (its checks first), building the subclass with the
@@ -38,8 +39,9 @@ class SharedAgentProcess(VllmProcess):
         # own module instance; no other thread of it builds a communicator meanwhile).
         module.NixlEplbCommunicator = lambda **kw: cls(**kw, prev_communicator=prev_communicator)
         try:
-            return module.create_eplb_communicator(self.coordinator(group, stateless=prev_communicator is not None),
-                                                   BACKEND, weights, buffer)
+            return module.create_eplb_communicator(
+                self.coordinator(group, stateless=prev_communicator is not None), BACKEND, weights, buffer
+            )
         finally:
             module.NixlEplbCommunicator = base
 
@@ -50,8 +52,9 @@ def configure(path: str | None, name: str):
 
 def _subclass(base: type, nixl_utils: Any) -> type:
     class SharedAgentNixlEplbCommunicator(base):
-        def __init__(self, cpu_group: Any, all_expert_weights: Any, expert_buffer: Any,
-                     prev_communicator: Any = None) -> None:
+        def __init__(
+            self, cpu_group: Any, all_expert_weights: Any, expert_buffer: Any, prev_communicator: Any = None
+        ) -> None:
             shared = getattr(prev_communicator, "_nixl_wrapper", None)
             self._fresh_agent = shared is None
             if shared is None:

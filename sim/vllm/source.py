@@ -35,9 +35,9 @@ _EXTRACT = re.compile(r"^vllm/(distributed/.*\.py|_version\.py)$")
 
 @dataclass(frozen=True)
 class VllmSource:
-    root: Path      # the directory holding the ``vllm`` package
+    root: Path  # the directory holding the ``vllm`` package
     version: str
-    origin: str     # how it was found, for people: "installed", "wheel PATH", "source tree PATH", "vllm==X (cached)"
+    origin: str  # how it was found, for people: "installed", "wheel PATH", "source tree PATH", "vllm==X (cached)"
 
     def digest(self) -> str:
         """sha256 (16 hex digits) over the files under test, in order."""
@@ -93,8 +93,10 @@ def _from_path(path: Path) -> VllmSource:
     for root in (path, path.parent):  # a checkout's root, or its ``vllm`` package folder
         if (root / COMMUNICATOR).is_file():
             return VllmSource(root.resolve(), _tree_version(root), f"source tree {path}")
-    raise UnknownStrategy(f"strategy 'vllm:{path}': no {COMMUNICATOR} under {path} (give a vLLM checkout, its "
-                          f"vllm/ folder, or a vLLM wheel)")
+    raise UnknownStrategy(
+        f"strategy 'vllm:{path}': no {COMMUNICATOR} under {path} (give a vLLM checkout, its "
+        f"vllm/ folder, or a vLLM wheel)"
+    )
 
 
 def _from_wheel(wheel: Path) -> VllmSource:
@@ -157,13 +159,25 @@ def fetch_released(where: Path) -> None:
     print(f"epsim: fetching vllm=={RELEASED}'s sources into {where} (once)", file=sys.stderr, flush=True)
     where.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="epsim-vllm-wheel.", dir=where.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               f"vllm=={RELEASED}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"vllm=={RELEASED}",
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("vllm-*.whl"))
         if done.returncode != 0 or not wheels:
             last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise UnknownStrategy(f"strategy 'vllm': vllm=={RELEASED}'s sources are not cached and pip could not "
-                                  f"fetch the wheel ({last}); install vllm, or pass --strategy vllm:PATH with a vLLM "
-                                  f"checkout or wheel")
+            raise UnknownStrategy(
+                f"strategy 'vllm': vllm=={RELEASED}'s sources are not cached and pip could not "
+                f"fetch the wheel ({last}); install vllm, or pass --strategy vllm:PATH with a vLLM "
+                f"checkout or wheel"
+            )
         _extract(wheels[0], where)

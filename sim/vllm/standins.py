@@ -162,8 +162,7 @@ def is_weak_contiguous(t: torch.Tensor) -> bool:
     """Contiguous, or its elements fill its storage from its offset to the end without gaps."""
     if t.is_contiguous():
         return True
-    return (t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-            == t.numel() * t.element_size())
+    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size() == t.numel() * t.element_size()
 
 
 def _dist_utils(m: Module, world: "World") -> None:

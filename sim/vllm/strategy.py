@@ -21,6 +21,7 @@ from . import device, loader, source
 COMMUNICATOR_MODULE = "vllm.distributed.eplb.eplb_communicator"
 BACKEND = "nixl"  # ParallelConfig.eplb_config.communicator
 
+
 class VllmProcess:
     """One process's vLLM: its own instance of vLLM's modules, the device views of its tensors, and how vLLM's
     ``NixlWrapper`` is bound there.  Every load of the strategy (every simulated process) makes one."""
@@ -44,11 +45,14 @@ class VllmProcess:
         except UnknownStrategy:
             raise
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a vLLM branch that does not import here
-            raise UnknownStrategy(f"strategy {name!r}: vLLM's {COMMUNICATOR_MODULE} from {where.origin} does not "
-                                  f"load here: {type(exc).__name__}: {exc}") from exc
+            raise UnknownStrategy(
+                f"strategy {name!r}: vLLM's {COMMUNICATOR_MODULE} from {where.origin} does not "
+                f"load here: {type(exc).__name__}: {exc}"
+            ) from exc
         if not hasattr(self.vllm[COMMUNICATOR_MODULE], "create_eplb_communicator"):
-            raise UnknownStrategy(f"strategy {name!r}: {where.origin} has no create_eplb_communicator in "
-                                  f"{COMMUNICATOR_MODULE}")
+            raise UnknownStrategy(
+                f"strategy {name!r}: {where.origin} has no create_eplb_communicator in {COMMUNICATOR_MODULE}"
+            )
         self._views: device.ViewCache | None = None
         self._bound = False
 

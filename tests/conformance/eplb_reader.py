@@ -26,8 +26,15 @@ SendMeta = dict[tuple[int, int], tuple[int, int, int]]
 
 
 class EplbReader:
-    def __init__(self, rank: int, world_size: int, expert_weights: Sequence[Sequence[Any]],
-                 expert_buffer: Sequence[Any], *, poll_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        expert_weights: Sequence[Sequence[Any]],
+        expert_buffer: Sequence[Any],
+        *,
+        poll_timeout_s: float = 30.0,
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config  # resolved now: the real wheel or the fake
 
         if not expert_weights or not expert_weights[0]:
@@ -74,8 +81,7 @@ class EplbReader:
         for layer_idx, layer in enumerate(self.expert_weights):
             for tensor_idx, t in enumerate(layer):
                 nbytes = t.numel() * t.element_size()
-                meta[(layer_idx, tensor_idx)] = (t.data_ptr(), nbytes // self.num_local_experts,
-                                                 max(t.get_device(), 0))
+                meta[(layer_idx, tensor_idx)] = (t.data_ptr(), nbytes // self.num_local_experts, max(t.get_device(), 0))
         return meta
 
     def connect(self, peer_metadatas: Sequence[bytes], peer_send_metas: Sequence[SendMeta]) -> None:

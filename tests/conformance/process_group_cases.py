@@ -45,10 +45,13 @@ class Clock:
 def agree(seen: dict[int, list], expected: dict[int, list]) -> bool:
     """Same ranks, same rows, each at its expected second or up to SLACK_S later."""
     return seen.keys() == expected.keys() and all(
-        len(seen[r]) == len(expected[r]) and all(
+        len(seen[r]) == len(expected[r])
+        and all(
             (label, what) == (want_label, want_what) and want_t <= t < want_t + SLACK_S
-            for (label, what, t), (want_label, want_what, want_t) in zip(seen[r], expected[r]))
-        for r in expected)
+            for (label, what, t), (want_label, want_what, want_t) in zip(seen[r], expected[r])
+        )
+        for r in expected
+    )
 
 
 def _call(rows: list, clock: Clock, label: str, fn: Callable[[], object]) -> None:
@@ -125,20 +128,37 @@ class Case:
     expected: dict | None = None  # rank -> rows; the killed rank has none
 
 
-_LATE = [("wait 1 s", "error: operation timed out", 1), ("completed after the bound", "False", 1), ("wait", "ok", 2),
-         ("sum", "6.0", 2), ("next all_reduce", "ok", 2), ("next sum", "3.0", 2)]
-_CLOSED_AT_1 = [("all_reduce", "error: connection closed by peer", 1),
-                ("barrier", "error: connection closed by peer", 1)]
-_CLOSED_AT_2 = [("all_reduce", "error: connection closed by peer", 2),
-                ("barrier", "error: connection closed by peer", 2)]
+_LATE = [
+    ("wait 1 s", "error: operation timed out", 1),
+    ("completed after the bound", "False", 1),
+    ("wait", "ok", 2),
+    ("sum", "6.0", 2),
+    ("next all_reduce", "ok", 2),
+    ("next sum", "3.0", 2),
+]
+_CLOSED_AT_1 = [
+    ("all_reduce", "error: connection closed by peer", 1),
+    ("barrier", "error: connection closed by peer", 1),
+]
+_CLOSED_AT_2 = [
+    ("all_reduce", "error: connection closed by peer", 2),
+    ("barrier", "error: connection closed by peer", 2),
+]
 
 CASES = {
-    "wait_with_a_bound": Case(wait_with_a_bound, expected={
-        0: _LATE, 1: _LATE, 2: [("all_reduce", "ok", 2), ("sum", "6.0", 2), ("next all_reduce", "ok", 2),
-                                ("next sum", "3.0", 2)]}),
+    "wait_with_a_bound": Case(
+        wait_with_a_bound,
+        expected={
+            0: _LATE,
+            1: _LATE,
+            2: [("all_reduce", "ok", 2), ("sum", "6.0", 2), ("next all_reduce", "ok", 2), ("next sum", "3.0", 2)],
+        },
+    ),
     "wait_with_a_zero_bound": Case(wait_with_a_zero_bound, expected={r: [("wait 0 s", "ok", 2)] for r in range(3)}),
-    "killed_while_the_others_wait": Case(killed_while_the_others_wait, kill=(2, 1.0),
-                                         expected={0: _CLOSED_AT_1, 1: _CLOSED_AT_1}),
-    "killed_before_the_others_arrive": Case(killed_before_the_others_arrive, kill=(2, 1.0),
-                                            expected={0: _CLOSED_AT_2, 1: _CLOSED_AT_2}),
+    "killed_while_the_others_wait": Case(
+        killed_while_the_others_wait, kill=(2, 1.0), expected={0: _CLOSED_AT_1, 1: _CLOSED_AT_1}
+    ),
+    "killed_before_the_others_arrive": Case(
+        killed_before_the_others_arrive, kill=(2, 1.0), expected={0: _CLOSED_AT_2, 1: _CLOSED_AT_2}
+    ),
 }

@@ -26,8 +26,24 @@ MODULE = os.environ.get("EPSIM_DEEP_EP", "deep_ep")
 def real_report() -> dict[str, Any]:
     if why := unavailable(MODULE):
         pytest.skip(why)
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "conform", "--library", "deep_ep", "--backend", "real",
-                           "--deep-ep-module", MODULE, "--json"], capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "conform",
+            "--library",
+            "deep_ep",
+            "--backend",
+            "real",
+            "--deep-ep-module",
+            MODULE,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, f"epsim conform --library deep_ep printed no report (exit {done.returncode}): {done.stderr[-2000:]}"
     return json.loads(lines[-1])
@@ -42,7 +58,8 @@ def test_behaviour(impl: str, name: str, request) -> None:
         result = run_case(name, "fake")
     assert result["outcome"] == "pass", (
         f"{impl} DeepEP, case {name}: observed {result['observed']!r}, v1.2.1 does {result['expected']!r}\n"
-        f"{CASES[name].doc}")
+        f"{CASES[name].doc}"
+    )
 
 
 def test_every_case_says_what_it_checks() -> None:

@@ -10,5 +10,6 @@ from tests.conftest import real_nixl_or_skip
 def test_no_unlisted_gaps() -> None:
     real_api, real_bindings, package = real_nixl_or_skip()
     gaps = surface_gaps(real_api, real_bindings, real_extras(package))
-    assert not gaps, "fake NIXL lacks or differs from the real surface (list it in NOT_MODELLED with a reason, " \
-                     f"or add it): {gaps}"
+    assert not gaps, (
+        f"fake NIXL lacks or differs from the real surface (list it in NOT_MODELLED with a reason, or add it): {gaps}"
+    )

@@ -29,8 +29,12 @@ STRICT = [p for p in PROFILES if p != "dram"]
 def conform_real() -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """``epsim conform --backend real --json`` on this machine: (the finished command, its report)."""
     real_nixl_or_skip()
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "conform", "--backend", "real", "--json"],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "conform", "--backend", "real", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, f"epsim conform --backend real printed no report (exit {done.returncode}): {done.stderr[-2000:]}"
     return done, json.loads(lines[-1])
@@ -54,7 +58,8 @@ def test_behaviour(name: str, nixl_impl: str, request) -> None:
         pytest.skip(result["reason"])
     assert result["outcome"] == "pass", (
         f"{nixl_impl} NIXL, case {name}: observed {result['observed']!r}, dram expects {result['expected']!r}\n"
-        f"{CASES[name].doc}")
+        f"{CASES[name].doc}"
+    )
 
 
 @pytest.mark.parametrize("profile", STRICT)
@@ -62,8 +67,8 @@ def test_behaviour(name: str, nixl_impl: str, request) -> None:
 def test_fake_profile(name: str, profile: str) -> None:
     result = run_case(name, "fake", profile)
     assert result["outcome"] == "pass", (
-        f"fake NIXL in profile {profile}, case {name}: observed {result['observed']!r}, "
-        f"expected {result['expected']!r}")
+        f"fake NIXL in profile {profile}, case {name}: observed {result['observed']!r}, expected {result['expected']!r}"
+    )
 
 
 @pytest.mark.parametrize("profile", STRICT)
@@ -83,7 +88,18 @@ def test_fake_is_recognised_as_its_profile(profile: str) -> None:
 
 def test_catalogue_is_large_enough() -> None:
     assert len(CASES) >= 40
-    families = {"register", "deregister", "metadata", "read", "write", "notif", "release", "remove", "destroyed",
-                "two_process", "kill"}
+    families = {
+        "register",
+        "deregister",
+        "metadata",
+        "read",
+        "write",
+        "notif",
+        "release",
+        "remove",
+        "destroyed",
+        "two_process",
+        "kill",
+    }
     names = " ".join(CASES)
     assert all(f in names for f in families), sorted(f for f in families if f not in names)

@@ -35,15 +35,23 @@ step = st.one_of(
     st.tuples(st.just("load"), st.sampled_from(["A->B", "B->A"])),
     st.tuples(st.just("remove"), st.sampled_from(["A", "B"])),
     # Mostly B's buffer against A's (the pair that can work), sometimes any other.
-    st.tuples(st.just("make"), st.sampled_from(["READ", "WRITE"]), st.sampled_from(["tb", "tb", "tb", "t2", "ta"]),
-              st.sampled_from(["ta", "ta", "ta", "t2", "tb"])),
+    st.tuples(
+        st.just("make"),
+        st.sampled_from(["READ", "WRITE"]),
+        st.sampled_from(["tb", "tb", "tb", "t2", "ta"]),
+        st.sampled_from(["ta", "ta", "ta", "t2", "tb"]),
+    ),
     st.tuples(st.just("post"), st.integers(0, 2)),
     st.tuples(st.just("post"), st.just(0)),
     st.tuples(st.just("release"), st.integers(0, 2)),
     st.tuples(st.just("notif"), st.sampled_from(["A", "X"])),
-    st.tuples(st.just("drain"),),
+    st.tuples(
+        st.just("drain"),
+    ),
     st.tuples(st.just("check_md"), st.sampled_from(BUFS)),
-    st.tuples(st.just("destroy_a"),),
+    st.tuples(
+        st.just("destroy_a"),
+    ),
 )
 
 
@@ -137,8 +145,11 @@ def play(backend, program) -> list:
         backend.close()
 
 
-programs = st.builds(lambda start, steps: (PRELUDE if start else []) + steps,
-                     st.booleans() | st.just(True), st.lists(step, min_size=1, max_size=14))
+programs = st.builds(
+    lambda start, steps: (PRELUDE if start else []) + steps,
+    st.booleans() | st.just(True),
+    st.lists(step, min_size=1, max_size=14),
+)
 
 
 _REAL = None  # the child's real backend, made for its first program
@@ -180,10 +191,16 @@ def real_observations(player, program, fake) -> list:
         return real.steps
     again = player.play(program)
     if again.died is not None:
-        pytest.fail(f"real NIXL died {_where(real, program, fake)}, and again {_where(again, program, fake)} when "
-                    f"played once more\nprogram: {program}")
-    warnings.warn(RealLibraryRace(f"real NIXL died {_where(real, program, fake)} once and not when played again; "
-                                  f"program: {program}"), stacklevel=2)
+        pytest.fail(
+            f"real NIXL died {_where(real, program, fake)}, and again {_where(again, program, fake)} when "
+            f"played once more\nprogram: {program}"
+        )
+    warnings.warn(
+        RealLibraryRace(
+            f"real NIXL died {_where(real, program, fake)} once and not when played again; program: {program}"
+        ),
+        stacklevel=2,
+    )
     return again.steps
 
 

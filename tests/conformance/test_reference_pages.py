@@ -20,8 +20,10 @@ from fakes.conformance.catalogue import CASES
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "reference").glob("*.md"))
 PAGE = ROOT / "docs" / "reference" / "nixl-1.5.1.md"
-CITED = {"DeepEP fault": ROOT / "docs" / "reference" / "deep-ep.md",
-         "vLLM fault": ROOT / "docs" / "reference" / "vllm-eplb.md"}
+CITED = {
+    "DeepEP fault": ROOT / "docs" / "reference" / "deep-ep.md",
+    "vLLM fault": ROOT / "docs" / "reference" / "vllm-eplb.md",
+}
 # "Fact 8", "Facts 5 and 20", "Fact 21-22", "Facts 4, 17-27": the numbers a docstring's first words name
 _FACTS = re.compile(r"^Facts? (\d+(?:-\d+)?(?:(?:,| and|, and) \d+(?:-\d+)?)*)")
 
@@ -54,9 +56,17 @@ def pinned(doc: str) -> set[int]:
     return numbers
 
 
-@pytest.mark.parametrize("doc, facts", [("Fact 8: x", {8}), ("Facts 5 and 20: x", {5, 20}),
-                                        ("Fact 21-22: x", {21, 22}), ("Facts 4, 17-19 and 30: x", {4, 17, 18, 19, 30}),
-                                        ("Fact 26 (tcp): x", {26}), ("Observed on 1.5.1: fact 3", set())])
+@pytest.mark.parametrize(
+    "doc, facts",
+    [
+        ("Fact 8: x", {8}),
+        ("Facts 5 and 20: x", {5, 20}),
+        ("Fact 21-22: x", {21, 22}),
+        ("Facts 4, 17-19 and 30: x", {4, 17, 18, 19, 30}),
+        ("Fact 26 (tcp): x", {26}),
+        ("Observed on 1.5.1: fact 3", set()),
+    ],
+)
 def test_a_docstring_s_facts_are_read_as_written(doc, facts):
     assert pinned(doc) == facts
 

@@ -35,8 +35,10 @@ SHAPES = [(4, 8), (16,)]  # per-expert shapes of the two tensors of a layer
 
 IDENTITY = [list(range(WORLD * LOCAL)) for _ in range(LAYERS)]
 # Physical slot -> logical expert.  Every expert changes rank, so every rank reads each of its experts from a peer.
-FIRST = [[3, 2, 5, 4, 1, 0],  # layer 0: rank r takes rank r+1's experts, rows swapped
-         [5, 2, 0, 4, 3, 1]]  # layer 1: each rank reads from both peers
+FIRST = [
+    [3, 2, 5, 4, 1, 0],  # layer 0: rank r takes rank r+1's experts, rows swapped
+    [5, 2, 0, 4, 3, 1],
+]  # layer 1: each rank reads from both peers
 
 
 # -- which NIXL ----------------------------------------------------------------------------------------------------
@@ -128,17 +130,17 @@ class World:
                         expected = signature(layer, t, new_layout[layer][r * LOCAL + row])
                         assert torch.equal(b[row], torch.full_like(b[row], expected)), (
                             f"rank {r} layer {layer} tensor {t} row {row}: expected {expected}, got "
-                            f"{b[row].flatten()[:4].tolist()}...")
+                            f"{b[row].flatten()[:4].tolist()}..."
+                        )
                     self.weights[r][layer][t].copy_(b)
-            self.layout[layer] = [
-                new_layout[layer][s] if s // LOCAL in ranks else old[s] for s in range(WORLD * LOCAL)]
+            self.layout[layer] = [new_layout[layer][s] if s // LOCAL in ranks else old[s] for s in range(WORLD * LOCAL)]
 
     def assert_weights(self, ranks: list[int] | None = None) -> None:
-        for r in (range(WORLD) if ranks is None else ranks):
+        for r in range(WORLD) if ranks is None else ranks:
             for layer in range(LAYERS):
                 for t in range(len(SHAPES)):
                     got = sorted({float(v) for v in self.weights[r][layer][t].flatten().tolist()})
-                    want = sorted({signature(layer, t, e) for e in self.layout[layer][r * LOCAL:(r + 1) * LOCAL]})
+                    want = sorted({signature(layer, t, e) for e in self.layout[layer][r * LOCAL : (r + 1) * LOCAL]})
                     assert got == want, f"rank {r} layer {layer} tensor {t}: {got} != {want}"
                     for row in range(LOCAL):
                         expected = signature(layer, t, self.layout[layer][r * LOCAL + row])
@@ -192,8 +194,17 @@ def test_closed_reader_leaves_the_others_working(client_world, world):
     assert gone.agent is None and gone._remote_agents == {}
     gone.close()  # idempotent
     # Ranks 0 and 1 swap everything they hold; rank 2's slots are -1 in old_indices and are not read.
-    second = [[world.layout[n][2], world.layout[n][3], world.layout[n][0], world.layout[n][1],
-               world.layout[n][4], world.layout[n][5]] for n in range(LAYERS)]
+    second = [
+        [
+            world.layout[n][2],
+            world.layout[n][3],
+            world.layout[n][0],
+            world.layout[n][1],
+            world.layout[n][4],
+            world.layout[n][5],
+        ]
+        for n in range(LAYERS)
+    ]
     world.rebalance(second, ranks=[0, 1])
     world.assert_weights(ranks=[0, 1])
     assert world.layout == second

@@ -23,8 +23,9 @@ def _run(*args: str) -> dict:
 @pytest.mark.parametrize("strategy", ["shared-agent", "per-communicator-agent", "arena-registry"])
 def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy, tmp_path) -> None:
     real_nixl_or_skip()
-    real = _run(*UP_2_TO_3, *IN_STEP, "--strategy", strategy, "--backend", "real", "--device", "cuda", "--out",
-                str(tmp_path))
+    real = _run(
+        *UP_2_TO_3, *IN_STEP, "--strategy", strategy, "--backend", "real", "--device", "cuda", "--out", str(tmp_path)
+    )
     sim = _run(*UP_2_TO_3, *IN_STEP, "--strategy", strategy, "--profile", "cuda")
     assert real["profile"] == "real-cuda"
     # GPU ranks come from the zygote as CPU ranks do (it makes no CUDA context; each rank makes its own).
@@ -40,8 +41,10 @@ def test_scale_up_on_vram_agrees_with_the_cuda_profile(strategy, tmp_path) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("strategy, verdict", [("shared-agent", ("safety", "expert_weights")),
-                                               ("tests.strategies.stream_synced:create", ("pass", None))])
+@pytest.mark.parametrize(
+    "strategy, verdict",
+    [("shared-agent", ("safety", "expert_weights")), ("tests.strategies.stream_synced:create", ("pass", None))],
+)
 def test_a_lagging_stream_gives_the_simulated_verdict_on_vram(strategy, verdict) -> None:
     """The copy/READ race of sim/device.py, forced with a sleep kernel in front of each row copy."""
     real_nixl_or_skip()
@@ -53,8 +56,10 @@ def test_a_lagging_stream_gives_the_simulated_verdict_on_vram(strategy, verdict)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_async", ["false", "true"])
-@pytest.mark.parametrize("strategy, verdict", [("shared-agent", ("safety", "expert_weights")),
-                                               ("tests.strategies.stream_synced:create", ("pass", None))])
+@pytest.mark.parametrize(
+    "strategy, verdict",
+    [("shared-agent", ("safety", "expert_weights")), ("tests.strategies.stream_synced:create", ("pass", None))],
+)
 def test_vllms_default_async_scheduling_gives_the_simulated_verdict_on_vram(strategy, verdict, use_async) -> None:
     """No fault: a step's forward work (a sleep kernel of one scenario step) is still queued when EPLB runs, as
     under vLLM's default async scheduling, and EPLB's copies wait behind it; sync and async EPLB alike."""

@@ -50,8 +50,10 @@ def test_calibrate_out_refuses_a_file_that_is_not_a_calibration_before_measuring
     notes.write_text("precious notes\n")
     done = epsim_here("calibrate", "--quick", "--no-compare", "--out", str(notes))
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.strip() == (f"epsim: error: --out {notes}: that file exists and is not an epsim calibration; "
-                                   f"give a new file name, or an earlier calibration to replace")
+    assert done.stderr.strip() == (
+        f"epsim: error: --out {notes}: that file exists and is not an epsim calibration; "
+        f"give a new file name, or an earlier calibration to replace"
+    )
     assert notes.read_text() == "precious notes\n"
 
 
@@ -98,11 +100,15 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     assert fitted["fitted"] and not judged["fitted"] and judged["scenario"].startswith("scale-up 2->4")
     for run in cmp["runs"]:
         assert run["sim_verdict"] == run["real_verdict"] == "pass"
-        assert {r["what"] for r in run["spans"]} == {"rebalance", "scale_up", "scale_up.prepare", "scale_up.commit",
-                                                     "scale_up.reshuffle"}
+        assert {r["what"] for r in run["spans"]} == {
+            "rebalance",
+            "scale_up",
+            "scale_up.prepare",
+            "scale_up.commit",
+            "scale_up.reshuffle",
+        }
     # the numbers are this host's (docs/validation.md records them); that they are there and judged is the test
-    assert set(cmp["summary"]) == {"rebalance", "scale_up", "scale_up.prepare", "scale_up.commit",
-                                   "scale_up.reshuffle"}
+    assert set(cmp["summary"]) == {"rebalance", "scale_up", "scale_up.prepare", "scale_up.commit", "scale_up.reshuffle"}
     assert all(isinstance(row["within_25%"], bool) for row in cmp["summary"].values())
     # the file drives a simulated run
     done = epsim("run", "scale-up", "--calibration", str(out), "--json")
@@ -139,13 +145,22 @@ def test_spans_pair_by_kind_and_count_when_one_world_rebalanced_once_more(monkey
             self.verdict, self.spans, self.detail = "pass", spans, None
 
     sim = [["rebalance", 0, 1], ["scale_up.prepare", 1, 2], ["scale_up", 1, 2], ["rebalance", 2, 3]]
-    real = [["rebalance", 0, 2], ["scale_up.prepare", 2, 4], ["scale_up", 2, 4], ["rebalance", 4, 6],
-            ["rebalance", 6, 8]]
+    real = [
+        ["rebalance", 0, 2],
+        ["scale_up.prepare", 2, 4],
+        ["scale_up", 2, 4],
+        ["rebalance", 4, 6],
+        ["rebalance", 6, 8],
+    ]
     monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R(sim))
     monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R(real))
     run = cal_mod.compare_one(cal_mod.Calibration.model_construct(), cal_mod.FIT_CASE, "cpu")
     assert [(r["what"], r["error"]) for r in run["spans"]] == [
-        ("rebalance", -0.5), ("scale_up.prepare", -0.5), ("scale_up", -0.5), ("rebalance", -0.5)]
+        ("rebalance", -0.5),
+        ("scale_up.prepare", -0.5),
+        ("scale_up", -0.5),
+        ("rebalance", -0.5),
+    ]
     assert not run["complete"]  # one real rebalance had no simulated partner
 
 
@@ -156,8 +171,12 @@ def test_the_concurrent_reads_measurement_runs_on_the_real_nixl():
     import sys
 
     real_nixl_or_skip()
-    done = subprocess.run([sys.executable, "-m", "benchmarks.concurrent_reads", "--k", "2", "--sizes-mib", "0.25",
-                           "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.concurrent_reads", "--k", "2", "--sizes-mib", "0.25", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert out["bytes_ok"] and out["memory"] == "DRAM" and list(out["sizes"]) == ["0.25MiB"]
@@ -172,14 +191,29 @@ def test_real_spans_leave_out_the_harness_checks_and_add_up_an_events_phases():
 
     from real_backends.run import _spans
 
-    records = [(0.0, "engine.rebalance", {}), (0.01, "eplb.moved", {"seconds": 0.02}),
-               (0.02, "eplb.moved", {"seconds": 0.03}),
-               (1.0, "engine.scale_up", {}), (2.0, "engine.rebalance", {}), (2.05, "eplb.moved", {"seconds": 0.04})]
-    spans = [("rebalance", 0.0, 0.5), ("scale_up.prepare", 1.0, 1.6), ("scale_up.commit", 1.6, 2.0),
-             ("scale_up.reshuffle", 2.0, 2.3), ("scale_up", 1.0, 2.3)]
+    records = [
+        (0.0, "engine.rebalance", {}),
+        (0.01, "eplb.moved", {"seconds": 0.02}),
+        (0.02, "eplb.moved", {"seconds": 0.03}),
+        (1.0, "engine.scale_up", {}),
+        (2.0, "engine.rebalance", {}),
+        (2.05, "eplb.moved", {"seconds": 0.04}),
+    ]
+    spans = [
+        ("rebalance", 0.0, 0.5),
+        ("scale_up.prepare", 1.0, 1.6),
+        ("scale_up.commit", 1.6, 2.0),
+        ("scale_up.reshuffle", 2.0, 2.3),
+        ("scale_up", 1.0, 2.3),
+    ]
     got = _spans(spans, SimpleNamespace(records=records))
-    assert got == [["rebalance", 0.0, 0.03], ["scale_up.prepare", 1.0, 1.6], ["scale_up.commit", 1.6, 2.0],
-                   ["scale_up.reshuffle", 2.0, 2.04], ["scale_up", 1.0, 2.04]]
+    assert got == [
+        ["rebalance", 0.0, 0.03],
+        ["scale_up.prepare", 1.0, 1.6],
+        ["scale_up.commit", 1.6, 2.0],
+        ["scale_up.reshuffle", 2.0, 2.04],
+        ["scale_up", 1.0, 2.04],
+    ]
 
 
 def test_a_shipped_calibration_is_taken_by_name_and_a_wrong_name_lists_them(tmp_path, monkeypatch):

@@ -17,16 +17,31 @@ from real_backends.rank import DEEP_EP_LEAK_WARNING
 
 
 def test_a_deep_ep_scenario_needs_a_gpu_and_says_so():
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "run", "scale-up", "--backend", "real",
-                           "--set", "all2all.backend=deepep_high_throughput"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "run",
+            "scale-up",
+            "--backend",
+            "real",
+            "--set",
+            "all2all.backend=deepep_high_throughput",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "DeepEP's buffers live on GPUs; run it with --device cuda" in done.stderr
 
 
 def test_the_judge_reads_a_wrong_forward_and_a_leak_warning():
-    bad = [(1.0, 0, 1, "all2all.checked", {"pid": 0, "problem": None}),
-           (2.0, 1, 1, "all2all.checked", {"pid": 1, "problem": "token 3: combined [1.0] != reference [2.0]"})]
+    bad = [
+        (1.0, 0, 1, "all2all.checked", {"pid": 0, "problem": None}),
+        (2.0, 1, 1, "all2all.checked", {"pid": 1, "problem": "token 3: combined [1.0] != reference [2.0]"}),
+    ]
     _, oracles = judge(bad, 0.0, completed=True, stuck=[])
     assert [(p.verdict, p.invariant) for p in oracles.problems] == [("safety", "all2all")]
     assert "pid 1: token 3" in oracles.problems[0].detail
@@ -81,8 +96,10 @@ def test_deep_ep_s_printf_warning_becomes_an_event_and_still_reaches_stdout(tmp_
 HOST_DOUBLE = Path(__file__).resolve().parent / "host_deep_ep"
 
 
-@pytest.mark.parametrize("scenario, sizes", [("scale-up", {"timeline.0.to": 4, "max_ranks": 4}),
-                                             ("scale-down", {"ranks": 4, "timeline.0.to": 2})])
+@pytest.mark.parametrize(
+    "scenario, sizes",
+    [("scale-up", {"timeline.0.to": 4, "max_ranks": 4}), ("scale-down", {"ranks": 4, "timeline.0.to": 2})],
+)
 def test_the_real_rank_runs_vllm_s_managers_as_the_simulated_worker_does(scenario, sizes, monkeypatch):
     """The real rank's all2all lifecycle on CPU, over a ``deep_ep`` double whose collectives are gloo calls
     (tests/real/host_deep_ep): buffers made at load and at PREPARE, a forward through them at every serving command
@@ -96,13 +113,15 @@ def test_the_real_rank_runs_vllm_s_managers_as_the_simulated_worker_does(scenari
     from sim.run import run_scenario
 
     monkeypatch.setattr(cluster, "check_real_all2all", lambda sc, device: None)  # the double runs on host memory
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HOST_DOUBLE), os.environ.get("PYTHONPATH"))
-                                                     if p))
-    sc = scenario_mod.with_overrides(scenario_mod.load(scenario), **sizes,
-                                     **{"all2all.backend": "deepep_high_throughput"})
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HOST_DOUBLE), os.environ.get("PYTHONPATH")) if p))
+    sc = scenario_mod.with_overrides(
+        scenario_mod.load(scenario), **sizes, **{"all2all.backend": "deepep_high_throughput"}
+    )
     strategy = "per-communicator-agent"
     real = run_real(sc, strategy=strategy, timeout_s=120)
     sim = run_scenario(sc, strategy=strategy, profile="dram")
-    assert (real.verdict, real.invariant) == (sim.verdict, sim.invariant) == ("safety", "leak"), (real.detail,
-                                                                                                sim.detail)
+    assert (real.verdict, real.invariant) == (sim.verdict, sim.invariant) == ("safety", "leak"), (
+        real.detail,
+        sim.detail,
+    )
     assert "DeepEP buffer" in real.detail and "destroy()" in real.detail

@@ -20,8 +20,9 @@ def events(monkeypatch):
     seen: list = []
     seq = itertools.count()
     monkeypatch.setattr(LedgerAgent, "_real", api.nixl_agent)
-    monkeypatch.setattr(LedgerAgent, "_emit",
-                        staticmethod(lambda kind, **f: seen.append((time.monotonic(), 0, next(seq), kind, f))))
+    monkeypatch.setattr(
+        LedgerAgent, "_emit", staticmethod(lambda kind, **f: seen.append((time.monotonic(), 0, next(seq), kind, f)))
+    )
     monkeypatch.setattr(LedgerAgent, "_pid", 0)
     return seen
 

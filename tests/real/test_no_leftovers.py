@@ -80,10 +80,25 @@ def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set
     err = (tmp_path / "stderr").open("w") if tmp_path else subprocess.PIPE
     # SIGINT at its default: a shell without job control starts background jobs with SIGINT ignored, and Python
     # then keeps ignoring it, so a test run launched with `&` would see the run shrug off the ^C it sends.
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", "elastic-cycle", "--backend", "real",
-                             "--set", "steps=400000", "--set", "eplb.step_interval=200"],
-                            stdout=out, stderr=err, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "run",
+            "elastic-cycle",
+            "--backend",
+            "real",
+            "--set",
+            "steps=400000",
+            "--set",
+            "eplb.step_interval=200",
+        ],
+        stdout=out,
+        stderr=err,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     seen: set[int] = set()
     while time.monotonic() < deadline and proc.poll() is None:
@@ -109,8 +124,10 @@ def test_an_interrupted_parent_stops_every_rank(how, tmp_path):
         left = sorted(p for p in descendants(proc.pid) if living(p))
         for p in [proc.pid, *left]:
             os.kill(p, signal.SIGKILL)
-        pytest.fail(f"epsim still running 90 s after {how}; living descendants {left}; its stderr ends with:\n"
-                    + (tmp_path / "stderr").read_text()[-6000:])
+        pytest.fail(
+            f"epsim still running 90 s after {how}; living descendants {left}; its stderr ends with:\n"
+            + (tmp_path / "stderr").read_text()[-6000:]
+        )
     out, err = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, (out[-2000:], err[-2000:])  # stdout too: a run that ended by itself prints there
     assert err.strip().splitlines()[-1] == "epsim: interrupted"

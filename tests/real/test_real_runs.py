@@ -16,8 +16,14 @@ from tests.conftest import epsim, epsim_here, epsim_loading, real_nixl_or_skip
 
 UP_2_TO_3 = ("scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3")
 DOWN_3_TO_2 = ("scale-down", "--set", "ranks=3", "--set", "timeline.0.to=2")
-LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_live_agents_per_process", "transfers",
-          "bytes_moved")
+LEDGER = (
+    "registrations",
+    "duplicate_registrations",
+    "agents_created",
+    "max_live_agents_per_process",
+    "transfers",
+    "bytes_moved",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -66,16 +72,42 @@ def test_an_async_rebalance_in_flight_at_the_commit_is_drained_over_the_ep_group
     """vLLM 0.33.0's drain_async before the scale-up's commit (an all_reduce of the EP group each round): a rebalance
     of 32 layers starts 5 steps before the scale-up and is still moving when the old ranks commit; then a rebalance
     due every 2 steps while one is in flight waits for it (postponed) in both worlds."""
-    args = (*UP_2_TO_3, "--strategy", "shared-agent", "--set", "eplb.use_async=true", "--set", "model.layers=32",
-            "--set", "eplb.first_rebalance_step=995", "--set", "steps=1100")
+    args = (
+        *UP_2_TO_3,
+        "--strategy",
+        "shared-agent",
+        "--set",
+        "eplb.use_async=true",
+        "--set",
+        "model.layers=32",
+        "--set",
+        "eplb.first_rebalance_step=995",
+        "--set",
+        "steps=1100",
+    )
     sim, real = both(*args)
     # (The ledgers differ a little: a real PREPARE waits for the rebalance in flight to land, 32 scaled steps, so the
     # real run serves more steps in PREPARE and the last rebalance places for another load window.)
     assert real["verdict"] == sim["verdict"] == "pass", real["detail"]
     assert real["metrics"]["transfers"] > 0
     out = tmp_path / "real"
-    done = epsim("run", "steady", "--set", "eplb.use_async=true", "--set", "eplb.step_interval=2", "--set",
-                 "eplb.window=2", "--set", "steps=20", "--backend", "real", "--out", str(out), "--json")
+    done = epsim(
+        "run",
+        "steady",
+        "--set",
+        "eplb.use_async=true",
+        "--set",
+        "eplb.step_interval=2",
+        "--set",
+        "eplb.window=2",
+        "--set",
+        "steps=20",
+        "--backend",
+        "real",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     kinds = [json.loads(line)["kind"] for line in (out / "history.jsonl").read_text().splitlines()]
     assert kinds.count("eplb.postponed") >= 2
@@ -109,8 +141,11 @@ def test_real_faults_are_done_for_real_and_agree(fault):
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"])
     assert real["faults_fired"] == sim["faults_fired"]
     if fault == "peer.restart":  # the restarted agent's peers refuse it, in both worlds with the same error
-        assert real["signature"] == sim["signature"] == ("exception:nixlNotFoundError@NixlReadCommunicator.add_recv|"
-                                                       "per-communicator-agent|peer.restart")
+        assert (
+            real["signature"]
+            == sim["signature"]
+            == ("exception:nixlNotFoundError@NixlReadCommunicator.add_recv|per-communicator-agent|peer.restart")
+        )
 
 
 def test_a_real_rank_s_crash_comes_with_its_chain_and_frames_as_the_simulation_s():
@@ -142,8 +177,17 @@ def test_prepare_faults_under_async_eplb_land_after_the_rebalance_in_flight_in_b
     that is a crash no simulated run shows, since the simulated PREPARE's prepare_s of serving lets the layers land
     first.  The rebalance in flight is the scale-up's reshuffle, scheduled right before (first_rebalance_step moves
     the periodic one out of the way)."""
-    sim, real = both("scale-up", "--strategy", "per-communicator-agent", "--set", "eplb.use_async=true",
-                     "--set", "eplb.first_rebalance_step=999", "--fault", fault)
+    sim, real = both(
+        "scale-up",
+        "--strategy",
+        "per-communicator-agent",
+        "--set",
+        "eplb.use_async=true",
+        "--set",
+        "eplb.first_rebalance_step=999",
+        "--fault",
+        fault,
+    )
     assert (real["verdict"], real["invariant"]) == (sim["verdict"], sim["invariant"]) == ("pass", None), real["detail"]
     assert real["faults_fired"] == sim["faults_fired"] == {fault: 2}
 
@@ -163,10 +207,21 @@ def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_
     """An old communicator in a reference cycle is finalized at its rank's next planned collection, in both worlds:
     under vLLM 0.33.0 the one right after the swap (warm_and_capture), under pr-53947 the rank's exit.  Each
     collection is recorded before what it finalizes, and the exit collects too."""
+
     def lifecycle(backend: str) -> dict[int, list[tuple[str, str]]]:
         out = tmp_path / backend
-        r = run(*UP_2_TO_3, "--strategy", "per-communicator-agent", "--fault", "gc.cycle", "--out", str(out),
-                "--set", f"lifecycle={revision}", backend=backend)
+        r = run(
+            *UP_2_TO_3,
+            "--strategy",
+            "per-communicator-agent",
+            "--fault",
+            "gc.cycle",
+            "--out",
+            str(out),
+            "--set",
+            f"lifecycle={revision}",
+            backend=backend,
+        )
         assert r["verdict"] == "pass" and r["faults_fired"] == {"gc.cycle": 2}, r["detail"]
         agents: dict[str, str] = {}  # agent name -> "a0", "a1", ...: the n-th agent its process created
         made: dict[int, int] = {}
@@ -186,21 +241,39 @@ def test_gc_cycle_finalizes_the_old_communicator_at_the_next_planned_collection_
     sim, real = lifecycle("sim"), lifecycle("real")
     assert real == sim
     if revision == "0.33.0":
-        assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
-                          ("gc.collect", "warm_and_capture"), ("nixl.deregister", "a0"),
-                          ("nixl.agent.destroy", "a0"), ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"),
-                          ("nixl.agent.destroy", "a1"), ("gc.collect", "exit")]
+        assert sim[0] == [
+            ("gc.collect", "commit"),
+            ("gc.drop", "old communicator"),
+            ("gc.collect", "warm_and_capture"),
+            ("nixl.deregister", "a0"),
+            ("nixl.agent.destroy", "a0"),
+            ("gc.drop", "communicator at exit"),
+            ("nixl.deregister", "a1"),
+            ("nixl.agent.destroy", "a1"),
+            ("gc.collect", "exit"),
+        ]
     else:
-        assert sim[0] == [("gc.collect", "commit"), ("gc.drop", "old communicator"),
-                          ("gc.drop", "communicator at exit"), ("nixl.deregister", "a1"),
-                          ("nixl.agent.destroy", "a1"), ("gc.collect", "exit"), ("nixl.deregister", "a0"),
-                          ("nixl.agent.destroy", "a0")]
+        assert sim[0] == [
+            ("gc.collect", "commit"),
+            ("gc.drop", "old communicator"),
+            ("gc.drop", "communicator at exit"),
+            ("nixl.deregister", "a1"),
+            ("nixl.agent.destroy", "a1"),
+            ("gc.collect", "exit"),
+            ("nixl.deregister", "a0"),
+            ("nixl.agent.destroy", "a0"),
+        ]
 
 
 def test_fake_only_faults_and_profiles_are_refused_in_one_line():
-    for extra in (("--fault", "nixl.xfer.stuck"), ("--profile", "cuda"), ("--check-determinism",),
-                  ("--ranks-per-host", "1"), ("--calibration", "x.json"),
-                  ("--fault", "device.stream_lag")):  # host-memory copies run when issued: nothing to delay
+    for extra in (
+        ("--fault", "nixl.xfer.stuck"),
+        ("--profile", "cuda"),
+        ("--check-determinism",),
+        ("--ranks-per-host", "1"),
+        ("--calibration", "x.json"),
+        ("--fault", "device.stream_lag"),
+    ):  # host-memory copies run when issued: nothing to delay
         done = epsim_here("run", "steady", "--backend", "real", *extra)  # refused before any rank starts
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
@@ -218,8 +291,9 @@ def test_a_second_deregistration_is_released_twice_on_real_nixl_as_in_the_simula
     sim, real = both("steady", "--strategy", "tests.strategies.oracle_mutants:deregisters_twice")
     for r in (sim, real):
         assert (r["verdict"], r["invariant"]) == ("safety", "released_twice"), r["detail"]
-        assert r["detail"].endswith("deregistered a range of 80 B again after releasing it: every registration is "
-                                    "released exactly once")
+        assert r["detail"].endswith(
+            "deregistered a range of 80 B again after releasing it: every registration is released exactly once"
+        )
 
 
 def test_a_leaked_agent_is_a_leak_on_real_ranks_as_in_the_simulation():
@@ -231,7 +305,8 @@ def test_a_leaked_agent_is_a_leak_on_real_ranks_as_in_the_simulation():
     for r in (sim, real):
         assert (r["verdict"], r["invariant"]) == ("safety", "leak"), r["detail"]
         assert r["detail"].startswith("agent eplb-0-") and r["detail"].endswith(
-            "of pid 0 is still alive after shutdown holding 10 registrations")
+            "of pid 0 is still alive after shutdown holding 10 registrations"
+        )
     plain, real_plain = both("scale-up", "--strategy", "shared-agent", "--fault", "gc.never")
     assert plain["verdict"] == real_plain["verdict"] == "pass", real_plain["detail"]
     assert real["faults_fired"] == sim["faults_fired"] == real_plain["faults_fired"] == {"gc.never": 2}
@@ -241,9 +316,18 @@ def test_a_short_timeout_does_not_count_the_ranks_start_up():
     """--timeout does not cover a rank's interpreter and imports, or a short one would make a stuck run.  The run's
     own process, which starts the ranks and judges them, does not load the simulator (its kernel, workers or the
     fake NIXL): the engine, the oracles and the result are what the two worlds share."""
-    done, simulator = epsim_loading("run", "steady", "--set", "steps=600", "--timeout", "2", "--backend", "real",
-                                    "--json", watch=("sim.cluster", "sim.worker", "sim.kernel", "simpy", "greenlet",
-                                                     "fakes.nixl._agent", "fakes.torch_dist"))
+    done, simulator = epsim_loading(
+        "run",
+        "steady",
+        "--set",
+        "steps=600",
+        "--timeout",
+        "2",
+        "--backend",
+        "real",
+        "--json",
+        watch=("sim.cluster", "sim.worker", "sim.kernel", "simpy", "greenlet", "fakes.nixl._agent", "fakes.torch_dist"),
+    )
     assert json.loads(done.stdout.strip().splitlines()[-1])["verdict"] == "pass", done.stdout + done.stderr[-2000:]
     assert simulator == []
 
@@ -282,5 +366,7 @@ def test_a_progress_delay_reaches_the_agent_config_and_a_bad_one_is_one_line(mon
         done = epsim_here("run", *UP_2_TO_3, "--backend", "real")
         assert done.returncode == 2 and not done.stdout, done.stderr
         [line] = done.stderr.strip().splitlines()
-        assert line == (f"epsim: error: {PROGRESS_DELAY_ENV}={bad!r}: give whole microseconds from 0 (nixl._api's "
-                        f"own busy loop) to 1000000"), line
+        assert line == (
+            f"epsim: error: {PROGRESS_DELAY_ENV}={bad!r}: give whole microseconds from 0 (nixl._api's "
+            f"own busy loop) to 1000000"
+        ), line

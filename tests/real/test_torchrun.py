@@ -16,20 +16,46 @@ LEDGER = ("registrations", "duplicate_registrations", "agents_created", "max_liv
 
 
 def torchrun(slots: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(slots), "-m", "sim.cli", "run", *args, "--backend", "real", "--json"],
-                          capture_output=True, text=True, timeout=300,
-                          env=None if env is None else {**os.environ, **env})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(slots),
+            "-m",
+            "sim.cli",
+            "run",
+            *args,
+            "--backend",
+            "real",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 def why(done: subprocess.CompletedProcess) -> str:
     """What a failed torchrun job said: slot 0's verdict (a run that ended with a non-pass verdict exits 1 too),
     and every slot's own lines (torch's launcher report buries them at the top)."""
     verdicts = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    ours = [line for line in done.stderr.splitlines()
-            if line.startswith(("epsim", "Traceback", "  File")) or "Error" in line.split(":")[0]]
-    return ("--- verdict ---\n" + "\n".join(verdicts) + "\n--- slots ---\n" + "\n".join(ours[-60:])
-            + "\n--- stderr tail ---\n" + done.stderr[-1500:])
+    ours = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith(("epsim", "Traceback", "  File")) or "Error" in line.split(":")[0]
+    ]
+    return (
+        "--- verdict ---\n"
+        + "\n".join(verdicts)
+        + "\n--- slots ---\n"
+        + "\n".join(ours[-60:])
+        + "\n--- stderr tail ---\n"
+        + done.stderr[-1500:]
+    )
 
 
 def test_scale_up_under_torchrun_agrees_with_the_local_runner(tmp_path):
@@ -39,10 +65,14 @@ def test_scale_up_under_torchrun_agrees_with_the_local_runner(tmp_path):
     assert done.returncode == 0, why(done)
     # The slots run on slot 0's kernel: their events are judged on the clock they were stamped with, uncorrected
     # (a correction by one message's latency once made this run fail: docs/real-backend.md, torchrun).
-    starts = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()
-              if '"process.start"' in line]
+    starts = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()
+        if '"process.start"' in line
+    ]
     assert [(s["started_as"], s["clock_offset_s"], s["clock_bound_s"]) for s in starts] == [
-        ("torchrun slot", 0.0, 0.0)] * 3
+        ("torchrun slot", 0.0, 0.0)
+    ] * 3
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only slot 0, which ran the engine, prints a verdict
     result = json.loads(lines[0])
@@ -76,12 +106,15 @@ def test_too_few_torchrun_slots_is_one_clear_line():
     done = torchrun(2, "elastic-cycle")
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")]
-    assert errors == ["epsim: error: the scenario starts 6 rank processes in all; torchrun started 2 slots "
-                      "(--nproc-per-node x nodes); each slot serves one rank"]
+    assert errors == [
+        "epsim: error: the scenario starts 6 rank processes in all; torchrun started 2 slots "
+        "(--nproc-per-node x nodes); each slot serves one rank"
+    ]
     done = torchrun(3, "scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", "--ranks-per-host", "2")
     assert done.returncode != 0
     assert [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")] == [
-        "epsim: error: the scenario runs up to 3 ranks at once; 1 host(s) at --ranks-per-host 2 take 2"]
+        "epsim: error: the scenario runs up to 3 ranks at once; 1 host(s) at --ranks-per-host 2 take 2"
+    ]
 
 
 def test_a_taken_epsim_port_is_one_clear_line():
@@ -90,8 +123,9 @@ def test_a_taken_epsim_port_is_one_clear_line():
     real_nixl_or_skip()
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        done = torchrun(3, "scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3",
-                        env={"EPSIM_PORT": str(port)})
+        done = torchrun(
+            3, "scale-up", "--set", "timeline.0.to=3", "--set", "max_ranks=3", env={"EPSIM_PORT": str(port)}
+        )
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("epsim: error:")]
     assert len(errors) == 1, why(done)

@@ -27,10 +27,13 @@ def test_quick_validation_agrees_with_the_simulation_on_every_case():
     assert "    agrees: simulated liveness/stuck, real liveness/stuck" in lines
     assert all(c["real"]["profile"] == "real-cpu" and c["sim"]["profile"] == "dram" for c in report["cases"])
     # gc.late on either side of the departing rank's exit: the verdict turns on how long the exit takes
-    timed = {c["case"]: (c["sim"]["verdict"], c["real"]["verdict"])
-             for c in report["cases"] if "calibrated" in c["case"]}
-    assert timed == {"scale-down 3->2 · per-communicator-agent · gc.late:delay_s=0.05 · calibrated": ("pass", "pass"),
-                     "scale-down 3->2 · per-communicator-agent · gc.late:delay_s=5 · calibrated": ("safety", "safety")}
+    timed = {
+        c["case"]: (c["sim"]["verdict"], c["real"]["verdict"]) for c in report["cases"] if "calibrated" in c["case"]
+    }
+    assert timed == {
+        "scale-down 3->2 · per-communicator-agent · gc.late:delay_s=0.05 · calibrated": ("pass", "pass"),
+        "scale-down 3->2 · per-communicator-agent · gc.late:delay_s=5 · calibrated": ("safety", "safety"),
+    }
 
 
 def test_only_a_calibrated_clock_puts_a_late_collection_before_a_ranks_exit():
@@ -44,16 +47,16 @@ def test_only_a_calibrated_clock_puts_a_late_collection_before_a_ranks_exit():
     cal = load(REFERENCE_CALIBRATION)
 
     def verdict(case, calibration):
-        return run_scenario(case.load(), strategy=case.strategy, faults=list(case.faults),
-                            calibration=calibration).verdict
+        return run_scenario(
+            case.load(), strategy=case.strategy, faults=list(case.faults), calibration=calibration
+        ).verdict
 
     assert (verdict(early, None), verdict(early, cal)) == ("safety", "pass")
     assert (verdict(late, None), verdict(late, cal)) == ("safety", "safety")
 
 
 def _result(verdict="pass", invariant=None, signature=None, **metrics) -> Result:
-    return Result(verdict, invariant, None, 0, "s", "x", "dram", "h", 1, 0.0, 0.0, metrics=metrics,
-                  signature=signature)
+    return Result(verdict, invariant, None, 0, "s", "x", "dram", "h", 1, 0.0, 0.0, metrics=metrics, signature=signature)
 
 
 def test_compare_names_each_difference():
@@ -70,8 +73,10 @@ def test_compare_names_each_difference():
 
 
 def test_case_names_show_the_ep_sizes_and_faults():
-    assert Case("scale-down", "shared-agent", {"ranks": 3, "timeline.0.to": 2}, ("gc.cycle",)).name == \
-        "scale-down 3->2 · shared-agent · gc.cycle"
+    assert (
+        Case("scale-down", "shared-agent", {"ranks": 3, "timeline.0.to": 2}, ("gc.cycle",)).name
+        == "scale-down 3->2 · shared-agent · gc.cycle"
+    )
     assert len({c.name for c in CASES}) == len(CASES)
 
 
@@ -91,8 +96,9 @@ def test_cases_for_one_device_run_only_there(monkeypatch):
     assert all(c.load("cuda").serving.host_ahead_steps == 0.0 for c in CASES if c.in_step)
     assert all(c.load("cpu").serving.async_scheduling for c in CASES)  # (no stream to be ahead of on host memory)
     ran = []
-    monkeypatch.setattr(validate, "run_case",
-                        lambda case, device, timeout_s, calibration=None: ran.append(case) or {"agree": True})
+    monkeypatch.setattr(
+        validate, "run_case", lambda case, device, timeout_s, calibration=None: ran.append(case) or {"agree": True}
+    )
     validate.run_validation("cpu", catalogue=False)
     assert ran and not [c for c in ran if c.device is not None]
     ran.clear()
@@ -132,12 +138,23 @@ def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simul
     assert lagged["fault"] == STREAM_LAG and lagged["matches_real"]
     assert lagged["sim"]["invariant"] == "expert_weights" and lagged["sim"]["profile"] == "cuda"
 
-    rows = [{"case": case.name, "agree": False, "differences": ["verdict safety/stale_peer vs safety/expert_weights"],
-             "sim": {"verdict": "safety", "invariant": "stale_peer", "signature": None},
-             "real": {"verdict": "safety", "invariant": "expert_weights", "signature": None},
-             "with_stream_lag": lagged},
-            {"case": "steady · shared-agent", "agree": True, "differences": [],
-             "sim": {"verdict": "pass"}, "real": {"verdict": "pass"}}]
+    rows = [
+        {
+            "case": case.name,
+            "agree": False,
+            "differences": ["verdict safety/stale_peer vs safety/expert_weights"],
+            "sim": {"verdict": "safety", "invariant": "stale_peer", "signature": None},
+            "real": {"verdict": "safety", "invariant": "expert_weights", "signature": None},
+            "with_stream_lag": lagged,
+        },
+        {
+            "case": "steady · shared-agent",
+            "agree": True,
+            "differences": [],
+            "sim": {"verdict": "pass"},
+            "real": {"verdict": "pass"},
+        },
+    ]
     _validation_table({"profile": "cuda", "device": "cuda", "cases": rows, "wall_s": 1.0})
     out = " ".join(capsys.readouterr().out.split())
     assert "the copy/READ race" in out
@@ -149,9 +166,16 @@ def test_a_stuck_command_is_judged_where_it_happened_not_after_the_teardown():
     the teardown that follows (a survivor's collective failing once the stuck rank is killed) is not the verdict."""
     from real_backends.judge import judge
 
-    events = [(1.0, -1, 0, "engine.stuck", {"what": "serving", "pids": [1]}),
-              (2.0, 0, 1, "thread.crash", {"thread": "worker@0", "pid": 0, "type": "RuntimeError",
-                                           "error": "boom during teardown"})]
+    events = [
+        (1.0, -1, 0, "engine.stuck", {"what": "serving", "pids": [1]}),
+        (
+            2.0,
+            0,
+            1,
+            "thread.crash",
+            {"thread": "worker@0", "pid": 0, "type": "RuntimeError", "error": "boom during teardown"},
+        ),
+    ]
     _, oracles = judge(events, 0.0, completed=False, stuck=["serving: no answer within 1 s; waiting for pids [1]"])
     assert oracles.verdict() == ("liveness", "stuck", "serving: no answer within 1 s; waiting for pids [1]")
 
@@ -163,7 +187,9 @@ def test_only_torch_distributed_errors_read_as_a_collective_failure():
         events = [(1.0, 0, 0, "thread.crash", {"thread": "worker@0", "pid": 0, "type": kind, "error": error})]
         return judge(events, 0.0, completed=False, stuck=[])[1].verdict()[:2]
 
-    assert verdict("DistBackendError", "Connection closed by peer [10.0.0.2]:1234") == ("liveness",
-                                                                                        "collective_timeout")
+    assert verdict("DistBackendError", "Connection closed by peer [10.0.0.2]:1234") == (
+        "liveness",
+        "collective_timeout",
+    )
     assert verdict("RuntimeError", "Operation timed out!") == ("liveness", "collective_timeout")  # Work.wait's
     assert verdict("ValueError", "my strategy does not support Gloo groups") == ("crash", "exception")

@@ -26,12 +26,15 @@ def run(*args: str, backend: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("scenario,faults,verdict", [
-    pytest.param("scale-down", [], ("pass", None), marks=pytest.mark.slow),
-    ("abort", [], ("safety", "stale_peer")),  # the aborted PREPARE's communicator keeps the rank that was to join
-    # the old communicator is never collected
-    pytest.param("elastic-cycle", ["--fault", "gc.never"], ("safety", "stale_peer"), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "scenario,faults,verdict",
+    [
+        pytest.param("scale-down", [], ("pass", None), marks=pytest.mark.slow),
+        ("abort", [], ("safety", "stale_peer")),  # the aborted PREPARE's communicator keeps the rank that was to join
+        # the old communicator is never collected
+        pytest.param("elastic-cycle", ["--fault", "gc.never"], ("safety", "stale_peer"), marks=pytest.mark.slow),
+    ],
+)
 def test_vllm_0_33_0_on_real_nixl_gets_the_simulations_verdict(released, scenario, faults, verdict) -> None:
     sim = run(scenario, "--strategy", "vllm", *faults, backend="sim")
     real = run(scenario, "--strategy", "vllm", *faults, backend="real")

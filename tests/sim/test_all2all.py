@@ -20,8 +20,11 @@ FIRST_USE = {"lifecycle": "pr-53947"}
 
 
 def _run(name: str, seed: int = 0, **overrides):
-    return run_scenario(scenario_mod.with_overrides(scenario_mod.load(name), **overrides), seed=seed,
-                        strategy="per-communicator-agent-deferred")
+    return run_scenario(
+        scenario_mod.with_overrides(scenario_mod.load(name), **overrides),
+        seed=seed,
+        strategy="per-communicator-agent-deferred",
+    )
 
 
 def test_buffers_follow_the_reconfiguration_and_every_forward_is_checked():
@@ -38,8 +41,11 @@ RACE_LOST = {"scale-up": [], "scale-down": [21], "elastic-cycle": [14, 15, 17]}
 
 
 def _race_lost(name: str, seeds) -> list[int]:
-    return [seed for seed in seeds
-            if "a buffer of the old world is still alive" in (_run(name, seed, **LL_ELASTIC, **FIRST_USE).detail or "")]
+    return [
+        seed
+        for seed in seeds
+        if "a buffer of the old world is still alive" in (_run(name, seed, **LL_ELASTIC, **FIRST_USE).detail or "")
+    ]
 
 
 def test_the_cleanup_races_the_first_forward_even_with_the_elastic_patch():
@@ -72,7 +78,7 @@ def test_0_33_0_makes_the_new_groups_buffer_at_prepare_while_the_old_one_serves(
     assert all(i < first_serve for i, e in made if e["size"] == 2)  # at load, before the first forward step
     assert all(scale_up < i < swap for i, e in made if e["size"] == 4)  # during PREPARE, before COMMIT
     # ... while the old group serves: steps are served between the scale-up's start and the new buffers
-    assert any(e["kind"] == "engine.serve" for e in kinds[scale_up:min(i for i, e in made if e["size"] == 4)])
+    assert any(e["kind"] == "engine.serve" for e in kinds[scale_up : min(i for i, e in made if e["size"] == 4)])
 
 
 def test_the_history_shows_buffers_made_on_first_use_and_destroyed_by_the_cleanup_thread(tmp_path):
@@ -108,13 +114,21 @@ def _async_agrees_with_sync(cases) -> None:
         synchronous = _run(name, seed=1, **overrides)
         asynchronous = _run(name, seed=1, **overrides, **{"eplb.use_async": True})
         assert (asynchronous.verdict, asynchronous.invariant) == (synchronous.verdict, synchronous.invariant), (
-            backend, name, asynchronous.detail)
+            backend,
+            name,
+            asynchronous.detail,
+        )
 
 
 @pytest.mark.slow
 def test_async_eplb_agrees_with_sync_on_both_backends_in_both_scenarios():
-    _async_agrees_with_sync([(backend, name) for backend in ("deepep_low_latency", "deepep_high_throughput")
-                             for name in ("scale-up", "elastic-cycle")])
+    _async_agrees_with_sync(
+        [
+            (backend, name)
+            for backend in ("deepep_low_latency", "deepep_high_throughput")
+            for name in ("scale-up", "elastic-cycle")
+        ]
+    )
 
 
 def test_a_wrong_combine_is_an_all2all_safety_violation(monkeypatch):
@@ -149,12 +163,22 @@ def test_bad_all2all_settings_are_one_line_errors():
     assert done.returncode == 2 and "DeepEP's buffers live on GPUs; run it with --device cuda" in done.stderr
 
 
-
 def test_with_explicitly_destroy_a_buffer_the_collector_never_reaches_does_no_harm():
     # vLLM passes explicitly_destroy=True so that destroy() is an explicit collective and GC timing cannot matter:
     # every dropped buffer is kept alive here, and the run still passes.
-    done = epsim("run", "scale-up", "--set", "all2all.backend=deepep_low_latency", "--fault", "gc.never:what=buffer",
-                 "--set", "all2all.nvshmem=elastic", "--set", "lifecycle=pr-53947", "--json")
+    done = epsim(
+        "run",
+        "scale-up",
+        "--set",
+        "all2all.backend=deepep_low_latency",
+        "--fault",
+        "gc.never:what=buffer",
+        "--set",
+        "all2all.nvshmem=elastic",
+        "--set",
+        "lifecycle=pr-53947",
+        "--json",
+    )
     result = json.loads(done.stdout)
     # the two old ranks at the switch
     assert done.returncode == 0 and result["faults_fired"] == {"gc.never:what=buffer": 2}
@@ -174,8 +198,9 @@ def test_a_deep_ep_run_leaves_nothing_of_its_world_behind():
     gc.collect()
     before = {id(o) for o in gc.get_objects() if type(o) in kinds}  # what other tests keep alive is theirs
     for nvshmem in ("elastic", "stock"):  # a pass, and a liveness failure (stock NVSHMEM is not re-initialised)
-        sc = scenario_mod.with_overrides(scenario_mod.load("scale-up"), **{"all2all.backend": "deepep_low_latency",
-                                                                           "all2all.nvshmem": nvshmem})
+        sc = scenario_mod.with_overrides(
+            scenario_mod.load("scale-up"), **{"all2all.backend": "deepep_low_latency", "all2all.nvshmem": nvshmem}
+        )
         run_scenario(sc)
     gc.collect()
     left = [type(o).__name__ for o in gc.get_objects() if type(o) in kinds and id(o) not in before]
@@ -187,18 +212,25 @@ def test_a_buffer_dropped_without_destroy_is_a_leak_at_the_moment_deep_ep_warns(
     # (explicitly_destroy=True, as vLLM passes) before the cleanup, which finds the weak cache empty.
     r = _run("scale-up", **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
     assert (r.verdict, r.invariant) == ("safety", "leak")
-    assert r.detail == ("pid 1: DeepEP buffer eplb#0/ep/deep_ep#0 was dropped without destroy() "
-                        "(explicitly_destroy=True): DeepEP only warns, and its buffers stay allocated")
+    assert r.detail == (
+        "pid 1: DeepEP buffer eplb#0/ep/deep_ep#0 was dropped without destroy() "
+        "(explicitly_destroy=True): DeepEP only warns, and its buffers stay allocated"
+    )
     assert 50 < r.sim_time_s and capsys.readouterr().out == ""  # DeepEP's printf stays out of the run's output
 
 
 def test_prepare_waits_for_the_previous_reconfigurations_cleanup(tmp_path):
     # vLLM's prepare begins with _wait_for_group_cleanup: rank 0's cleanup after the first switch is 60 s late, so its
     # PREPARE for the scale-down (at 80 s) builds only once that cleanup is done; rank 1 builds at once.
-    sc = scenario_mod.with_overrides(scenario_mod.load("elastic-cycle"),
-                                     **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
-    run_scenario(sc, strategy="per-communicator-agent-deferred",
-                 faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"], out=tmp_path)
+    sc = scenario_mod.with_overrides(
+        scenario_mod.load("elastic-cycle"), **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"}
+    )
+    run_scenario(
+        sc,
+        strategy="per-communicator-agent-deferred",
+        faults=["all2all.cleanup_late:delay_s=60,times=1,rank=0"],
+        out=tmp_path,
+    )
     events = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     cleanup0 = next(e["t"] for e in events if e["kind"] == "all2all.cleanup" and e["pid"] == 0)
     built = {e["pid"]: e["t"] for e in events if e["kind"] == "comm.create" and e["gen"] == "eplb#2"}

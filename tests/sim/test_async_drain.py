@@ -18,8 +18,10 @@ from sim.scenario import load, with_overrides
 
 def steady_async(lifecycle: str):
     # Rebalances every 2 steps of a 4-layer model that lands a layer per step: each comes due while one is in flight.
-    return with_overrides(load("steady"), **{"eplb.use_async": True, "eplb.step_interval": 2, "eplb.window": 2,
-                                             "steps": 40, "lifecycle": lifecycle})
+    return with_overrides(
+        load("steady"),
+        **{"eplb.use_async": True, "eplb.step_interval": 2, "eplb.window": 2, "steps": 40, "lifecycle": lifecycle},
+    )
 
 
 def records(sc, kind: str) -> list[dict]:
@@ -44,8 +46,10 @@ def test_a_rebalance_due_while_one_is_in_flight_waits_for_it_under_0_33_0() -> N
 
 def in_flight_at_commit(lifecycle: str):
     # 32 layers, one a step: the rebalance started at step 995 is still moving when the scale-up commits (~1020).
-    return with_overrides(load("scale-up"), **{"eplb.use_async": True, "model.layers": 32,
-                                               "eplb.first_rebalance_step": 995, "lifecycle": lifecycle})
+    return with_overrides(
+        load("scale-up"),
+        **{"eplb.use_async": True, "model.layers": 32, "eplb.first_rebalance_step": 995, "lifecycle": lifecycle},
+    )
 
 
 @pytest.fixture
@@ -103,8 +107,9 @@ def test_the_later_revision_drains_each_rank_alone_inside_its_commit(takes) -> N
 
 def test_0_33_0_drains_every_old_rank_before_the_scale_down_reshuffle(takes) -> None:
     """The departing ranks too (perform_scale_down_eplb_reshuffle runs on every old rank), in lockstep."""
-    sc = with_overrides(load("scale-down"), **{"eplb.use_async": True, "model.layers": 32,
-                                                 "eplb.first_rebalance_step": 995})
+    sc = with_overrides(
+        load("scale-down"), **{"eplb.use_async": True, "model.layers": 32, "eplb.first_rebalance_step": 995}
+    )
     r = run_scenario(sc, seed=0, strategy="per-communicator-agent", profile="dram")
     assert r.verdict == "pass", r.detail
     commit = min(t for _, layer, t, _ in takes if layer == -1)

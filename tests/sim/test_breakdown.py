@@ -15,12 +15,15 @@ def phases(result, kind: str) -> list[tuple[str, float, float]]:
     return [(w, a, b) for w, a, b in result.spans if w.startswith(kind + ".")]
 
 
-@pytest.mark.parametrize("scenario, overrides, kind, names", [
-    ("scale-up", {}, "scale_up", ["prepare", "commit", "reshuffle"]),
-    ("scale-up", {"eplb.use_async": True}, "scale_up", ["prepare", "drain", "commit", "reshuffle"]),
-    ("scale-down", {}, "scale_down", ["prepare", "reshuffle", "commit", "exit"]),
-    ("abort", {}, "abort", ["prepare", "abort", "exit"]),
-])
+@pytest.mark.parametrize(
+    "scenario, overrides, kind, names",
+    [
+        ("scale-up", {}, "scale_up", ["prepare", "commit", "reshuffle"]),
+        ("scale-up", {"eplb.use_async": True}, "scale_up", ["prepare", "drain", "commit", "reshuffle"]),
+        ("scale-down", {}, "scale_down", ["prepare", "reshuffle", "commit", "exit"]),
+        ("abort", {}, "abort", ["prepare", "abort", "exit"]),
+    ],
+)
 def test_each_event_is_its_phases_back_to_back(scenario, overrides, kind, names) -> None:
     r = run_scenario(with_overrides(load(scenario), **overrides), strategy="per-communicator-agent")
     assert r.verdict in ("pass", "safety"), r.detail
@@ -36,10 +39,12 @@ def test_each_event_is_its_phases_back_to_back(scenario, overrides, kind, names)
 
 def test_the_phases_are_slices_of_the_perfetto_trace(tmp_path) -> None:
     r = run_scenario(load("scale-down"), strategy="shared-agent", out=tmp_path)
-    slices = [e["name"] for e in json.loads((tmp_path / "trace.perfetto.json").read_text())["traceEvents"]
-              if e.get("ph") == "X"]
-    assert [s for s in slices if s.startswith("scale_down")] == [w for w, _, _ in r.spans
-                                                                  if w.startswith("scale_down")]
+    slices = [
+        e["name"]
+        for e in json.loads((tmp_path / "trace.perfetto.json").read_text())["traceEvents"]
+        if e.get("ph") == "X"
+    ]
+    assert [s for s in slices if s.startswith("scale_down")] == [w for w, _, _ in r.spans if w.startswith("scale_down")]
 
 
 def test_a_calibrated_collection_is_what_the_commit_costs() -> None:
@@ -49,8 +54,9 @@ def test_a_calibrated_collection_is_what_the_commit_costs() -> None:
 
     cal = Calibration(xfer_latency_s=1e-4, bandwidth_Bps=1e9, collect_s=0.2)
     for lifecycle, collections in (("0.33.0", 2), ("pr-53947", 1)):
-        r = run_scenario(with_overrides(load("scale-up"), lifecycle=lifecycle), strategy="shared-agent",
-                         calibration=cal)
+        r = run_scenario(
+            with_overrides(load("scale-up"), lifecycle=lifecycle), strategy="shared-agent", calibration=cal
+        )
         (commit,) = [b - a for w, a, b in r.spans if w == "scale_up.commit"]
         assert commit == pytest.approx(collections * 0.2), lifecycle
     plain = run_scenario(load("scale-up"), strategy="shared-agent")

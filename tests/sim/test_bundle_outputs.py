@@ -39,8 +39,9 @@ def test_shrink_refuses_a_folder_of_other_files_and_keeps_them(found: Path, tmp_
     assert (precious / "notes.txt").read_text() == "important"
     # a refusal made nothing: the --out folder is checked, not made, before the --corpus check refuses
     (tmp_path / "a-file").write_text("")
-    line = _one_error_line(epsim_here("shrink", str(found), "--out", str(tmp_path / "new" / "out"), "--corpus",
-                                      str(tmp_path / "a-file")))
+    line = _one_error_line(
+        epsim_here("shrink", str(found), "--out", str(tmp_path / "new" / "out"), "--corpus", str(tmp_path / "a-file"))
+    )
     assert "--corpus" in line and not (tmp_path / "new").exists()
 
 
@@ -98,8 +99,17 @@ def test_replay_refuses_to_write_its_history_over_a_bundle(found: Path, tmp_path
 
 def test_reshrinking_a_corpus_bundle_into_its_own_corpus_replaces_it(found: Path, tmp_path: Path) -> None:
     corpus = found.parent
-    done = epsim("shrink", str(found), "--out", str(tmp_path / "out" / found.name), "--corpus", str(corpus),
-                 "--max-runs", "1", "--json")
+    done = epsim(
+        "shrink",
+        str(found),
+        "--out",
+        str(tmp_path / "out" / found.name),
+        "--corpus",
+        str(corpus),
+        "--max-runs",
+        "1",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     assert Path(json.loads(done.stdout)["corpus"]) == found
     assert bundle.load(found).data["replay"] == f"epsim replay {found}"
@@ -109,16 +119,32 @@ def test_shrink_dot_from_inside_the_bundle_names_the_shrunk_bundle_after_it(foun
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "shrink", ".", "--max-runs", "1", "--json"], cwd=found,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "shrink", ".", "--max-runs", "1", "--json"],
+        cwd=found,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert Path(json.loads(done.stdout)["bundle"]) == found.parent / (found.name + "-shrunk")
 
 
 def test_a_sweep_never_replaces_a_bundle_an_earlier_sweep_left(tmp_path: Path) -> None:
     bundles = tmp_path / "bundles"
-    args = ("sweep", "scale-up", "--seeds", "0:1", "--strategy", "per-communicator-agent", "--profile",
-            "rocm-strict", "--bundles", str(bundles), "--json")
+    args = (
+        "sweep",
+        "scale-up",
+        "--seeds",
+        "0:1",
+        "--strategy",
+        "per-communicator-agent",
+        "--profile",
+        "rocm-strict",
+        "--bundles",
+        str(bundles),
+        "--json",
+    )
     first = epsim(*args, "--db", str(tmp_path / "a.db"))
     assert first.returncode == 0, first.stderr
     [old] = json.loads(first.stdout)["bundles"]
@@ -131,19 +157,28 @@ def test_a_sweep_never_replaces_a_bundle_an_earlier_sweep_left(tmp_path: Path) -
     assert bundle.load(new).expected == bundle.load(old).expected
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: [1, 2], "not a failure bundle of format 1"),
-    (lambda d: {**d, "config": None}, "config: Input should be a valid dictionary"),
-    (lambda d: {**d, "outcome": []}, "outcome: Input should be a valid dictionary"),
-    (lambda d: {**d, "config": {k: v for k, v in d["config"].items() if k != "seed"}}, "config.seed: Field required"),
-    (lambda d: {**d, "config": {**d["config"], "seed": "abc"}}, "config.seed: Input should be a valid integer"),
-    (lambda d: {**d, "config": {**d["config"], "seed": -5}}, "config.seed: Input should be greater than or equal"),
-    (lambda d: {**d, "config": {**d["config"], "strategy": 5}}, "config.strategy: Input should be a valid string"),
-    (lambda d: {**d, "config": {**d["config"], "faults": "gc.late"}}, "config.faults: Input should be a valid list"),
-    (lambda d: {**d, "config": {**d["config"], "faults": [5]}}, "config.faults.0: Input should be a valid string"),
-    (lambda d: {**d, "config": {**d["config"], "faults": ["gc.late:delay_s=abc"]}}, "gc.late"),
-    (lambda d: {**d, "outcome": {"trace_hash": "x"}}, "outcome.signature: Field required"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: [1, 2], "not a failure bundle of format 1"),
+        (lambda d: {**d, "config": None}, "config: Input should be a valid dictionary"),
+        (lambda d: {**d, "outcome": []}, "outcome: Input should be a valid dictionary"),
+        (
+            lambda d: {**d, "config": {k: v for k, v in d["config"].items() if k != "seed"}},
+            "config.seed: Field required",
+        ),
+        (lambda d: {**d, "config": {**d["config"], "seed": "abc"}}, "config.seed: Input should be a valid integer"),
+        (lambda d: {**d, "config": {**d["config"], "seed": -5}}, "config.seed: Input should be greater than or equal"),
+        (lambda d: {**d, "config": {**d["config"], "strategy": 5}}, "config.strategy: Input should be a valid string"),
+        (
+            lambda d: {**d, "config": {**d["config"], "faults": "gc.late"}},
+            "config.faults: Input should be a valid list",
+        ),
+        (lambda d: {**d, "config": {**d["config"], "faults": [5]}}, "config.faults.0: Input should be a valid string"),
+        (lambda d: {**d, "config": {**d["config"], "faults": ["gc.late:delay_s=abc"]}}, "gc.late"),
+        (lambda d: {**d, "outcome": {"trace_hash": "x"}}, "outcome.signature: Field required"),
+    ],
+)
 @pytest.mark.parametrize("command", ["replay", "shrink"])
 def test_a_damaged_failure_json_is_one_line(found: Path, change, message: str, command: str) -> None:
     meta = found / "failure.json"
@@ -186,8 +221,9 @@ def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_pa
             yield from rows
 
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
-        out = sweep_mod.run_sweep(specs, db, OtherSweepFirst(), resume=False, bundles_dir=tmp_path / "bundles",
-                                  command="test")
+        out = sweep_mod.run_sweep(
+            specs, db, OtherSweepFirst(), resume=False, bundles_dir=tmp_path / "bundles", command="test"
+        )
     assert out.ran == 2 and out.bundles == [] and out.new_signatures == []
     assert not (tmp_path / "bundles").exists()
 

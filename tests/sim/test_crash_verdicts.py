@@ -26,16 +26,19 @@ def test_a_wrapped_crash_gives_its_chain_and_frames_in_json_out_and_text(tmp_pat
     assert [(link["type"], link["message"], link["via"]) for link in c["chain"]] == [
         ("RuntimeError", OUTER, None),
         ("RuntimeError", "NIXL EPLB init failed: buffers", "cause"),
-        ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND", "cause")]
+        ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND", "cause"),
+    ]
     assert r["detail"].endswith(f"RuntimeError: {OUTER} <- nixlNotFoundError: NIXL_ERR_NOT_FOUND")
     assert c["thread"] in r["detail"] and f"(pid {c['pid']})" in r["detail"]
     # the frames the root cause was raised through: the strategy's, innermost last, relative to the working
     # directory; the simulation's and the fake NIXL's own frames are left out (and counted)
     ours = [(f["file"], f["function"]) for f in c["frames"]]
-    assert ours == [("tests/strategies/wrapped_errors.py", "create"),
-                    ("tests/strategies/wrapped_errors.py", "NixlEplbCommunicator.__init__"),
-                    ("tests/strategies/wrapped_errors.py", "NixlEplbCommunicator._init_buffers"),
-                    ("tests/strategies/wrapped_errors.py", "_connect_peers")]
+    assert ours == [
+        ("tests/strategies/wrapped_errors.py", "create"),
+        ("tests/strategies/wrapped_errors.py", "NixlEplbCommunicator.__init__"),
+        ("tests/strategies/wrapped_errors.py", "NixlEplbCommunicator._init_buffers"),
+        ("tests/strategies/wrapped_errors.py", "_connect_peers"),
+    ]
     inner = c["frames"][-1]
     assert inner["kind"] == "code" and inner["code"].startswith('agent.make_connection("eplb-no-such-peer")')
     source = Path("tests/strategies/wrapped_errors.py").read_text().splitlines()
@@ -65,8 +68,10 @@ def test_two_crashes_with_the_same_outer_type_and_different_root_causes_have_dif
     sigs = {(row["strategy"], row["signature"]) for row in rows}
     assert all(row["verdict"] == "crash" for row in rows)
     # one signature per strategy whatever the seed (the function is the same on every seed), two in all
-    assert sigs == {(WRAPPED, f"exception:RuntimeError<-nixlNotFoundError@_connect_peers|{WRAPPED}|-"),
-                    (BAD_LAYOUT, f"exception:RuntimeError<-ValueError@_check_layout|{BAD_LAYOUT}|-")}
+    assert sigs == {
+        (WRAPPED, f"exception:RuntimeError<-nixlNotFoundError@_connect_peers|{WRAPPED}|-"),
+        (BAD_LAYOUT, f"exception:RuntimeError<-ValueError@_check_layout|{BAD_LAYOUT}|-"),
+    }
     assert all(" <- " in row["detail"] for row in rows)
 
 
@@ -74,8 +79,10 @@ def test_a_bundle_of_a_wrapped_crash_replays_and_shrinks(tmp_path: Path) -> None
     [spec] = sweep_mod.plan("steady", range(1), [BAD_LAYOUT])
     row = sweep_mod.execute(spec)
     path = bundle.write(spec, row, tmp_path / "bundles")
-    assert path.name == f"exception_RuntimeError-from-ValueError-in-_check_layout__{BAD_LAYOUT.replace(':', '_')}" \
-                        f"__nofault-seed0"
+    assert (
+        path.name == f"exception_RuntimeError-from-ValueError-in-_check_layout__{BAD_LAYOUT.replace(':', '_')}"
+        f"__nofault-seed0"
+    )
     data = json.loads((path / "failure.json").read_text())
     assert "nondeterministic" not in data
     assert data["outcome"]["signature"] == row["signature"]

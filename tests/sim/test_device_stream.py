@@ -42,8 +42,10 @@ def test_a_lag_shorter_than_a_read_is_harmless() -> None:
     assert run("shared-agent", ["device.stream_lag:delay_s=0.0001"]).verdict == "pass"
 
 
-@pytest.mark.parametrize("strategy, lag, verdict", [("shared-agent", 0.0001, "pass"),
-                                                     ("shared-agent", 0.01, "safety"), (SYNCED, 0.01, "pass")])
+@pytest.mark.parametrize(
+    "strategy, lag, verdict",
+    [("shared-agent", 0.0001, "pass"), ("shared-agent", 0.01, "safety"), (SYNCED, 0.01, "pass")],
+)
 def test_async_eplb_races_the_same_way(strategy: str, lag: float, verdict: str) -> None:
     # vLLM's main thread copies a layer out of expert_buffer at a step boundary, on the compute stream, and the
     # async thread posts the next layer's READs right after: the slack is a READ, not a forward step.
@@ -140,8 +142,10 @@ def test_synchronize_waits_for_the_stream_and_a_reader_flushes_it() -> None:
     assert [name for name, _ in ran] == ["x", "y", "z"]
     assert waited == [2.0] and ran[-1] == ("z", 2.0)  # x ran at 1 s, y at 2 s; the thread woke at 2 s
     syncs = [(kind, f) for _, kind, f in kernel.history.records if kind.startswith("device.")]
-    assert syncs == [("device.sync", {"pid": 7, "reason": "test", "copies": 2, "first": "x"}),
-                     ("device.flush", {"pid": 7, "reason": "a stream-ordered reader", "copies": 1, "first": "z"})]
+    assert syncs == [
+        ("device.sync", {"pid": 7, "reason": "test", "copies": 2, "first": "x"}),
+        ("device.flush", {"pid": 7, "reason": "a stream-ordered reader", "copies": 1, "first": "z"}),
+    ]
 
 
 def test_a_copy_issued_after_a_flush_runs_at_its_own_time_not_at_a_flushed_copy_s() -> None:

@@ -16,9 +16,26 @@ from sim import scenario as scenario_mod
 from sim.calibration import LOAD_COSTS, Calibration, HostLoad
 from sim.run import run_scenario
 
-ZERO = dict.fromkeys(("connect_s", "collective_s", "first_agent_s", "agent_s", "register_s", "first_remote_setup_s",
-                      "remote_setup_s", "collect_s", "gather_s", "command_s", "teardown_s", "stall_s",
-                      "copy_latency_s", "post_s", "group_s"), 0.0)
+ZERO = dict.fromkeys(
+    (
+        "connect_s",
+        "collective_s",
+        "first_agent_s",
+        "agent_s",
+        "register_s",
+        "first_remote_setup_s",
+        "remote_setup_s",
+        "collect_s",
+        "gather_s",
+        "command_s",
+        "teardown_s",
+        "stall_s",
+        "copy_latency_s",
+        "post_s",
+        "group_s",
+    ),
+    0.0,
+)
 
 
 def row(ranks: int, **costs: float) -> HostLoad:
@@ -54,8 +71,11 @@ def test_a_calibration_without_rows_gives_its_two_process_numbers_and_charges_no
 
 def test_fit_rounds_recovers_the_transfer_model_and_drops_a_negative_term():
     latency, post, bandwidth, collective = 3e-4, 2e-4, 2.5e9, 4e-4
-    rounds = [(k, b, collective + latency + k * post + k * b / bandwidth)
-              for k in (1, 2, 4) for b in (1 << 18, 1 << 20, 1 << 22)]
+    rounds = [
+        (k, b, collective + latency + k * post + k * b / bandwidth)
+        for k in (1, 2, 4)
+        for b in (1 << 18, 1 << 20, 1 << 22)
+    ]
     got = fit_rounds(rounds, collective)
     assert got == pytest.approx((latency, post, bandwidth), rel=1e-6)
     # rounds that shrink with more READs (noise) fit no negative per-READ cost
@@ -67,8 +87,9 @@ def test_fit_rounds_recovers_the_transfer_model_and_drops_a_negative_term():
 
 def test_the_fake_nixl_holds_each_call_for_its_host_time():
     spent: list[tuple[str, float]] = []
-    model = TimeModel(first_agent_s=0.4, agent_s=0.02, register_s=0.001, first_remote_setup_s=0.03,
-                      remote_setup_s=0.0005)
+    model = TimeModel(
+        first_agent_s=0.4, agent_s=0.02, register_s=0.001, first_remote_setup_s=0.03, remote_setup_s=0.0005
+    )
     fabric = FakeFabric(time_model=model)
     fabric.spend = lambda seconds, why: spent.append((why, seconds))
     with use_fabric(fabric):
@@ -78,9 +99,14 @@ def test_the_fake_nixl_holds_each_call_for_its_host_time():
         c = _api.nixl_agent("C")
         b.add_remote_agent(a.get_agent_metadata())
         b.add_remote_agent(c.get_agent_metadata())
-    assert spent == [("creating a NIXL agent", 0.4), ("creating a NIXL agent", 0.02), ("registering memory", 0.001),
-                     ("creating a NIXL agent", 0.02), ("loading a remote agent", 0.03),
-                     ("loading a remote agent", 0.0005)]
+    assert spent == [
+        ("creating a NIXL agent", 0.4),
+        ("creating a NIXL agent", 0.02),
+        ("registering memory", 0.001),
+        ("creating a NIXL agent", 0.02),
+        ("loading a remote agent", 0.03),
+        ("loading a remote agent", 0.0005),
+    ]
 
 
 def test_a_reads_own_cost_takes_its_turn_on_the_initiators_link():
@@ -123,8 +149,9 @@ def test_the_stall_grows_with_the_live_ranks_and_a_collection_with_the_ranks_col
 
 def test_a_departing_rank_exits_after_its_collection_and_its_teardown():
     sc = as_real_runs(comparison_scenario("scale-down", 3, 2, 2, 1 << 16))
-    r = run_scenario(sc, strategy="per-communicator-agent",
-                     calibration=calibration(row(1, collect_s=0.05, teardown_s=0.3)))
+    r = run_scenario(
+        sc, strategy="per-communicator-agent", calibration=calibration(row(1, collect_s=0.05, teardown_s=0.3))
+    )
     assert r.verdict == "pass" and spans(r, "scale_down.exit")[0] == pytest.approx(0.35)
 
 

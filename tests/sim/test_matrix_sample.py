@@ -36,10 +36,12 @@ def documented() -> dict[tuple[str, str, str], tuple[str, str]]:
 def test_the_sampled_cells_are_the_documented_ones(cells) -> None:
     assert len(cells) == len(SCENARIOS) * len(MATRIX_STRATEGIES) * len(PROFILES)
     rows = documented()
-    stale = [(c.scenario, c.strategy, c.profile, c.short, rows.get((c.scenario, c.strategy, c.profile)))
-             for c in cells
-             if (c.short, str(c.result.metrics.get("duplicate_registrations", 0)))
-             != rows.get((c.scenario, c.strategy, c.profile))]
+    stale = [
+        (c.scenario, c.strategy, c.profile, c.short, rows.get((c.scenario, c.strategy, c.profile)))
+        for c in cells
+        if (c.short, str(c.result.metrics.get("duplicate_registrations", 0)))
+        != rows.get((c.scenario, c.strategy, c.profile))
+    ]
     assert not stale, f"docs/results.md is stale (python -m sim.matrix > docs/results.md): {stale}"
 
 

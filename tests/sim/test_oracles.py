@@ -36,6 +36,7 @@ def _mover(a, src, dst, release_first: bool):
         if release_first:
             a.release_xfer_handle(h)
         return h
+
     return run
 
 
@@ -48,7 +49,11 @@ def test_an_agent_called_by_one_thread_while_another_has_a_read_open_is_reported
     assert len(events) == 1
     fields = events[0][1]
     assert (fields["agent"], fields["thread"], fields["others"], fields["open"]) == (
-        "A", "elastic-prepare@0", ["eplb-async@0"], 1)
+        "A",
+        "elastic-prepare@0",
+        ["eplb-async@0"],
+        1,
+    )
 
 
 def test_the_same_calls_one_after_the_other_are_not_reported() -> None:
@@ -69,14 +74,21 @@ def test_the_oracle_turns_the_first_racing_call_per_agent_into_a_safety_verdict(
     from sim.scenario import load
 
     c = Cluster(load("steady"), seed=0, strategy="shared-agent", profile="dram")
-    race = {"agent": "eplb-0-x", "pid": 0, "conn": "ucx://0/1/eplb-0-x", "thread": "gc-late@0",
-            "others": ["eplb-async@0"], "open": 3}
+    race = {
+        "agent": "eplb-0-x",
+        "pid": 0,
+        "conn": "ucx://0/1/eplb-0-x",
+        "thread": "gc-late@0",
+        "others": ["eplb-async@0"],
+        "open": 3,
+    }
     c.oracles.on_fabric("agent.threads", race)
     c.oracles.on_fabric("agent.threads", {**race, "thread": "worker@0"})  # the same agent again: one finding
     verdict, invariant, detail = c.oracles.verdict()
     assert (verdict, invariant) == ("safety", "agent_threads")
-    assert detail == ("agent eplb-0-x (pid 0) was called on thread gc-late@0 while eplb-async@0 held 3 open "
-                      "transfer request(s) on it")
+    assert detail == (
+        "agent eplb-0-x (pid 0) was called on thread gc-late@0 while eplb-async@0 held 3 open transfer request(s) on it"
+    )
     assert len(c.oracles.problems) == 1
     c.kernel.close()
 
@@ -96,17 +108,20 @@ def _run(scenario: str, strategy: str, **overrides):
 def test_a_prepare_that_never_returns_is_a_liveness_failure_not_an_endless_run() -> None:
     r = _run("scale-up", "never_prepares")
     assert (r.verdict, r.invariant) == ("liveness", "stuck")
-    assert r.detail == ("PREPARE did not finish within 661 s while the group served: pid 0: worker@0 blocked on "
-                        "waiting for the engine, elastic-prepare@0 blocked on time.sleep; pid 1: worker@1 blocked on "
-                        "waiting for the engine, elastic-prepare@1 blocked on time.sleep")
+    assert r.detail == (
+        "PREPARE did not finish within 661 s while the group served: pid 0: worker@0 blocked on "
+        "waiting for the engine, elastic-prepare@0 blocked on time.sleep; pid 1: worker@1 blocked on "
+        "waiting for the engine, elastic-prepare@1 blocked on time.sleep"
+    )
 
 
 def test_a_second_deregistration_of_a_released_range_breaks_the_ledger() -> None:
     """NIXL refuses it (NOT_FOUND, swallowed here), so nothing is harmed, but the range's owner is confused."""
     r = _run("steady", "deregisters_twice")
     assert (r.verdict, r.invariant) == ("safety", "released_twice")
-    assert r.detail.endswith("deregistered a range of 80 B again after releasing it: every registration is "
-                             "released exactly once")
+    assert r.detail.endswith(
+        "deregistered a range of 80 B again after releasing it: every registration is released exactly once"
+    )
 
 
 def test_an_exception_after_a_complete_cleanup_is_no_leak() -> None:
@@ -131,8 +146,10 @@ def test_stale_peers_are_judged_when_an_abort_completes() -> None:
     assert r.detail.endswith("of departed pid 2 loaded after the reconfiguration to pids 0-1")
 
 
-@pytest.mark.parametrize("fault, after_exit", [("gc.cycle:rank=2", ["nixl.process.kill"]),
-                                               ("gc.never:rank=2", ["nixl.agent.destroy", "nixl.process.kill"])])
+@pytest.mark.parametrize(
+    "fault, after_exit",
+    [("gc.cycle:rank=2", ["nixl.process.kill"]), ("gc.never:rank=2", ["nixl.agent.destroy", "nixl.process.kill"])],
+)
 def test_what_a_gc_fault_holds_for_a_process_that_left_is_never_finalized_in_the_run(fault, after_exit) -> None:
     """Rank 2 leaves on scale-down with its old communicator held by the fault.  A cycle is collected by the
     process's last collection at its exit, as a real process's (and the real backend's rank) is; what gc.never holds
@@ -142,13 +159,12 @@ def test_what_a_gc_fault_holds_for_a_process_that_left_is_never_finalized_in_the
     from sim.faults import parse
     from sim.scenario import load
 
-    c = Cluster(load("scale-down"), seed=0, strategy="per-communicator-agent", profile="dram",
-                faults=[parse(fault)])
+    c = Cluster(load("scale-down"), seed=0, strategy="per-communicator-agent", profile="dram", faults=[parse(fault)])
     c.run()
     records = list(c.kernel.history.records)
     c.kernel.close()
     gone = max(i for i, (_, kind, f) in enumerate(records) if kind == "process.kill" and f["pid"] == 2)
-    assert [kind for _, kind, f in records[gone + 1:] if f.get("pid") == 2] == after_exit
+    assert [kind for _, kind, f in records[gone + 1 :] if f.get("pid") == 2] == after_exit
     assert not any(kind in ("nixl.deregister.refused", "interpreter.shutdown") for _, kind, _ in records)
     if fault.startswith("gc.cycle"):
         exit_gc = next(i for i, (_, kind, f) in enumerate(records) if kind == "gc.collect" and f["reason"] == "exit@2")

@@ -113,7 +113,8 @@ def test_code_that_moves_experts_around_the_fakes_is_refused(tmp_path, monkeypat
     from tests.conftest import real_nixl_or_skip
 
     api, _, _ = real_nixl_or_skip()
-    (tmp_path / "bound_real_nixl.py").write_text(textwrap.dedent("""
+    (tmp_path / "bound_real_nixl.py").write_text(
+        textwrap.dedent("""
         import sys
         import uuid
 
@@ -136,7 +137,8 @@ def test_code_that_moves_experts_around_the_fakes_is_refused(tmp_path, monkeypat
 
         def create(group, expert_weights, expert_buffer, prev_communicator=None):
             return RealAgent(group, expert_weights, expert_buffer)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(sys.modules, "epsim_test_real_nixl_api", api)
     with pytest.raises(HarnessError, match="without one transfer through epsim's fake NIXL"):

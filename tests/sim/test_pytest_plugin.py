@@ -8,7 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-USER_TEST = '''
+USER_TEST = """
 import pytest
 
 @pytest.mark.epsim(seeds=3)
@@ -25,12 +25,17 @@ def test_fixtures(fake_nixl, epsim_cluster):
     cluster = epsim_cluster("steady")
     cluster.run()
     assert cluster.oracles.verdict()[0] == "pass"
-'''
+"""
 
 
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-                          cwd=folder, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_marker_seeds_fixtures_and_the_replay_command(tmp_path: Path) -> None:
@@ -45,8 +50,9 @@ def test_marker_seeds_fixtures_and_the_replay_command(tmp_path: Path) -> None:
     failure = failures[0].find("failure")
     assert f"[epsim replay: {cmd}]" in failure.get("message") and cmd in failure.text
     # the command does replay it
-    again = subprocess.run([sys.executable, "-m", "sim.cli", *cmd.split()[1:], "--json"], capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "sim.cli", *cmd.split()[1:], "--json"], capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 1 and '"verdict": "crash"' in again.stdout
 
 
@@ -59,7 +65,7 @@ def test_epsim_seeds_option_overrides_the_marker(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "--epsim-seeds 'x:y': give N or A:B" in bad.stderr, bad.stderr
 
 
-NIXL_SUITE = '''
+NIXL_SUITE = """
 import logging
 
 import nixl._api
@@ -89,7 +95,7 @@ def test_status_calls_return_success():
     assert agent.registerMem(descs, [ucx]) == bindings.NIXL_SUCCESS
     assert agent.deregisterMem(descs, [ucx]) == bindings.NIXL_SUCCESS
     utils.free_passthru(addr)
-'''
+"""
 
 
 def test_fake_nixl_runs_a_suite_written_for_nixl_against_the_fake(tmp_path: Path) -> None:

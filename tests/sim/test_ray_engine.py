@@ -32,18 +32,24 @@ def test_a_run_s_timeout_does_not_count_a_fresh_worker_s_start_up(ray_started) -
 
 def test_ray_engine_gives_the_same_verdicts_and_trace_hashes_as_the_local_one(ray_started) -> None:
     specs = sweep_mod.plan("scale-up", range(4), ["shared-agent", PCA], ["rocm-strict"], swarm=True)
-    local = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
-             for r in executors.LocalEngine(2).map(specs)}
-    remote = {r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
-              for r in executors.RayEngine(workers=2).map(specs)}
+    local = {
+        r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
+        for r in executors.LocalEngine(2).map(specs)
+    }
+    remote = {
+        r["run_key"]: (r["verdict"], r["signature"], r["trace_hash"], r["faults_armed"])
+        for r in executors.RayEngine(workers=2).map(specs)
+    }
     assert remote == local and len(local) == 8
     assert {v for v, *_ in local.values()} >= {"pass", "crash"}
 
 
 def test_ray_engine_records_crashed_and_hung_runs(ray_started) -> None:
-    specs = (sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:crash_process"])
-             + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
-             + sweep_mod.plan("steady", range(1), ["shared-agent"]))
+    specs = (
+        sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:crash_process"])
+        + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
+        + sweep_mod.plan("steady", range(1), ["shared-agent"])
+    )
     # The passing run takes a fraction of a second once begun; the clock starts then, not at submission (the next
     # test), so a loaded machine's worker start-up does not make it a timeout.
     rows = {r["run_key"]: r for r in executors.RayEngine(workers=2, timeout=6).map(specs)}

@@ -29,16 +29,26 @@ def test_scale_up_lifecycle_history_is_literal() -> None:
 
     c = Cluster(sc, seed=0, strategy="shared-agent", profile="dram")
     c.run()
-    engine = [(round(t, 2), kind.removeprefix("engine."), f.get("step"))
-              for t, kind, f in c.kernel.history.records
-              if kind in ("engine.rebalance", "engine.scale_up", "engine.shutdown")]
+    engine = [
+        (round(t, 2), kind.removeprefix("engine."), f.get("step"))
+        for t, kind, f in c.kernel.history.records
+        if kind in ("engine.rebalance", "engine.scale_up", "engine.shutdown")
+    ]
     # Each rebalance that moves experts between ranks adds the time its 42 MiB READs take (1.1 ms each; a rank's
     # READs share its link, so its READs of one layer take one after another), and the clock drifts from the step
     # count.  The interval restarts at the reshuffle (step 1020, after 20 steps of PREPARE), as vLLM resets
     # expert_rearrangement_step after it.
-    assert engine == [(6.25, "rebalance", 125), (31.26, "rebalance", 625), (50.02, "scale_up", 1000),
-                      (51.02, "rebalance", 1020), (76.04, "rebalance", 1520), (101.05, "rebalance", 2020),
-                      (126.06, "rebalance", 2520), (150.07, "rebalance", 3000), (150.09, "shutdown", 3000)]
+    assert engine == [
+        (6.25, "rebalance", 125),
+        (31.26, "rebalance", 625),
+        (50.02, "scale_up", 1000),
+        (51.02, "rebalance", 1020),
+        (76.04, "rebalance", 1520),
+        (101.05, "rebalance", 2020),
+        (126.06, "rebalance", 2520),
+        (150.07, "rebalance", 3000),
+        (150.09, "shutdown", 3000),
+    ]
     swaps = [(round(t, 2), f["pid"]) for t, kind, f in c.kernel.history.records if kind == "comm.swap"]
     assert sorted(p for _, p in swaps) == [0, 1] and all(t == 51.02 for t, _ in swaps)
     assert r.verdict == "pass" and r.trace_hash == c.kernel.history.trace_hash()
@@ -55,10 +65,12 @@ def test_prepare_serves_exactly_prepare_s_whatever_the_seed(name: str) -> None:
     for seed in range(6):
         c = Cluster(load(name), seed=seed, strategy="shared-agent", profile="dram")
         c.run()
-        steps = [f["step"] for _, kind, f in c.kernel.history.records if kind in ("engine.scale_up",
-                                                                                  "engine.scale_down")]
-        after = [f["step"] for _, kind, f in c.kernel.history.records if kind == "engine.rebalance"
-                 and f["step"] > steps[0]]
+        steps = [
+            f["step"] for _, kind, f in c.kernel.history.records if kind in ("engine.scale_up", "engine.scale_down")
+        ]
+        after = [
+            f["step"] for _, kind, f in c.kernel.history.records if kind == "engine.rebalance" and f["step"] > steps[0]
+        ]
         c.kernel.close()
         assert after[0] == steps[0] + 20, (seed, steps, after)
 
@@ -94,10 +106,26 @@ def test_same_seed_same_trace_hash_in_process(strategy: str) -> None:
 @pytest.mark.parametrize("hashseed", ["0", "4242"])
 def test_same_seed_same_trace_hash_across_processes(hashseed: str, monkeypatch) -> None:
     here = run("abort", strategy="per-communicator-agent", seed=5, faults=["gc.late:delay_s=3"])
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "run", "abort", "--seed", "5", "--strategy",
-                           "per-communicator-agent", "--fault", "gc.late:delay_s=3", "--json"],
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                             "PYTHONHASHSEED": hashseed})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "run",
+            "abort",
+            "--seed",
+            "5",
+            "--strategy",
+            "per-communicator-agent",
+            "--fault",
+            "gc.late:delay_s=3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONHASHSEED": hashseed},
+    )
     assert json.loads(done.stdout)["trace_hash"] == here.trace_hash
 
 
@@ -149,8 +177,15 @@ def test_broken_shared_agent_is_caught_by_scale_up() -> None:
     assert run("steady", strategy=BROKEN).verdict == "pass"  # no reconfiguration, nothing dropped
 
 
-@pytest.mark.parametrize("name, fault", [("abort", "gc.cycle"), ("scale-up", "gc.thread"),
-                                         ("elastic-cycle", "gc.late:delay_s=0.5"), ("abort", "gc.late:delay_s=0.5")])
+@pytest.mark.parametrize(
+    "name, fault",
+    [
+        ("abort", "gc.cycle"),
+        ("scale-up", "gc.thread"),
+        ("elastic-cycle", "gc.late:delay_s=0.5"),
+        ("abort", "gc.late:delay_s=0.5"),
+    ],
+)
 def test_broken_shared_agent_is_caught_under_gc_faults(name: str, fault: str) -> None:
     """However late or wherever the broken finalizer runs, a later move finds the shared registrations gone."""
     r = run(name, strategy=BROKEN, faults=[fault])
@@ -158,12 +193,15 @@ def test_broken_shared_agent_is_caught_under_gc_faults(name: str, fault: str) ->
     assert sum(r.faults_fired.values()) >= 1
 
 
-@pytest.mark.parametrize("fault, lifecycle, caught", [
-    ("gc.late:delay_s=0.5", "0.33.0", ("crash", "exception")),
-    ("gc.cycle", "0.33.0", ("crash", "exception")),
-    ("gc.cycle", "pr-53947", ("safety", "released_twice")),
-    ("gc.never", "0.33.0", ("safety", "released_twice")),
-])
+@pytest.mark.parametrize(
+    "fault, lifecycle, caught",
+    [
+        ("gc.late:delay_s=0.5", "0.33.0", ("crash", "exception")),
+        ("gc.cycle", "0.33.0", ("crash", "exception")),
+        ("gc.cycle", "pr-53947", ("safety", "released_twice")),
+        ("gc.never", "0.33.0", ("safety", "released_twice")),
+    ],
+)
 def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str, lifecycle: str, caught: tuple[str, str]) -> None:
     """scale-up has no load drift.  A finalizer that runs half a second late breaks a later READ (the rebalance
     after the reshuffle still moves experts, as vLLM's policy reshuffles on sampling noise), and so does one that
@@ -183,8 +221,13 @@ def test_gc_faults_change_where_the_old_communicator_dies() -> None:
     from sim.faults import parse
 
     def finals(fault):
-        c = Cluster(load("scale-up"), seed=0, strategy="per-communicator-agent", profile="dram",
-                    faults=[parse(fault)] if fault else [])
+        c = Cluster(
+            load("scale-up"),
+            seed=0,
+            strategy="per-communicator-agent",
+            profile="dram",
+            faults=[parse(fault)] if fault else [],
+        )
         c.run()
         drops = [(round(t, 3), f["how"]) for t, kind, f in c.kernel.history.records if kind == "gc.drop"]
         destroys = [round(t, 3) for t, kind, f in c.kernel.history.records if kind == "nixl.agent.destroy"]
@@ -207,26 +250,45 @@ def test_a_communicator_in_a_cycle_dies_at_its_processs_next_planned_collection(
     from sim.faults import parse
     from sim.scenario import with_overrides
 
-    c = Cluster(with_overrides(load("scale-up"), lifecycle=lifecycle), seed=0, strategy="per-communicator-agent",
-                profile="dram", faults=[parse("gc.cycle:times=1")])
+    c = Cluster(
+        with_overrides(load("scale-up"), lifecycle=lifecycle),
+        seed=0,
+        strategy="per-communicator-agent",
+        profile="dram",
+        faults=[parse("gc.cycle:times=1")],
+    )
     c.run()
-    kinds = [(kind, f.get("how"), f.get("reason"), f.get("pid")) for _, kind, f in c.kernel.history.records
-             if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy", "comm.swap")]
+    kinds = [
+        (kind, f.get("how"), f.get("reason"), f.get("pid"))
+        for _, kind, f in c.kernel.history.records
+        if kind in ("gc.drop", "gc.collect", "nixl.agent.destroy", "comm.swap")
+    ]
     c.kernel.close()
     # The first rank to commit (the tie-break's choice: pid 1) has its old communicator put in a cycle; the other's
     # is dropped by refcount and dies at once.
     if lifecycle == "0.33.0":
-        assert kinds[:10] == [("gc.collect", None, "commit@1", 1), ("comm.swap", None, None, 1),
-                              ("gc.drop", "gc.cycle", None, 1), ("gc.collect", None, "warm_and_capture@1", 1),
-                              ("nixl.agent.destroy", None, None, 1),
-                              ("gc.collect", None, "commit@0", 0), ("comm.swap", None, None, 0),
-                              ("gc.drop", "refcount", None, 0), ("nixl.agent.destroy", None, None, 0),
-                              ("gc.collect", None, "warm_and_capture@0", 0)]
+        assert kinds[:10] == [
+            ("gc.collect", None, "commit@1", 1),
+            ("comm.swap", None, None, 1),
+            ("gc.drop", "gc.cycle", None, 1),
+            ("gc.collect", None, "warm_and_capture@1", 1),
+            ("nixl.agent.destroy", None, None, 1),
+            ("gc.collect", None, "commit@0", 0),
+            ("comm.swap", None, None, 0),
+            ("gc.drop", "refcount", None, 0),
+            ("nixl.agent.destroy", None, None, 0),
+            ("gc.collect", None, "warm_and_capture@0", 0),
+        ]
     else:  # it waits for pid 1's own next planned collection, its exit at shutdown, not the other rank's commit
-        assert kinds[:7] == [("gc.collect", None, "commit@1", 1), ("comm.swap", None, None, 1),
-                             ("gc.drop", "gc.cycle", None, 1), ("gc.collect", None, "commit@0", 0),
-                             ("comm.swap", None, None, 0), ("gc.drop", "refcount", None, 0),
-                             ("nixl.agent.destroy", None, None, 0)]
+        assert kinds[:7] == [
+            ("gc.collect", None, "commit@1", 1),
+            ("comm.swap", None, None, 1),
+            ("gc.drop", "gc.cycle", None, 1),
+            ("gc.collect", None, "commit@0", 0),
+            ("comm.swap", None, None, 0),
+            ("gc.drop", "refcount", None, 0),
+            ("nixl.agent.destroy", None, None, 0),
+        ]
         assert not [k for k in kinds if k[2] and k[2].startswith("warm_and_capture")]
         exit_1 = kinds.index(("gc.collect", None, "exit@1", 1))
         assert kinds[exit_1 + 1] == ("nixl.agent.destroy", None, None, 1)  # pid 1's old agent, broken free at last
@@ -238,8 +300,12 @@ def test_the_collection_after_the_swap_decides_the_gc_cycle_cells(scenario) -> N
     0.33.0; under pr-53947 they are still loaded then."""
     from sim.scenario import with_overrides
 
-    runs = {lc: run_scenario(with_overrides(load(scenario), lifecycle=lc), strategy="per-communicator-agent",
-                             faults=["gc.cycle"]) for lc in ("0.33.0", "pr-53947")}
+    runs = {
+        lc: run_scenario(
+            with_overrides(load(scenario), lifecycle=lc), strategy="per-communicator-agent", faults=["gc.cycle"]
+        )
+        for lc in ("0.33.0", "pr-53947")
+    }
     assert runs["0.33.0"].verdict == "pass", runs["0.33.0"].detail
     assert (runs["pr-53947"].verdict, runs["pr-53947"].invariant) == ("safety", "stale_peer")
 
@@ -247,8 +313,9 @@ def test_the_collection_after_the_swap_decides_the_gc_cycle_cells(scenario) -> N
 def test_bad_scenario_file_is_one_line_exit_2(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text((load("scale-down").to_yaml()).replace("to: 2", "to: 7"))
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(bad)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "run", str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "timeline[0].to" in lines[0], done.stderr
@@ -274,13 +341,16 @@ def test_overrides_keep_runs_small() -> None:
     assert run_scenario(sc, strategy="shared-agent").verdict == "pass"
 
 
-@pytest.mark.parametrize("strategy, profile, verdict, where", [
-    ("per-communicator-agent", "dram", "pass", None),
-    ("arena-registry", "dram", "pass", None),
-    ("shared-agent", "dram", "crash", "worker@"),  # reuses the agent, never registers the new buffer
-    ("shared-agent", "rocm-strict", "crash", "worker@"),
-    ("arena-registry", "rocm-strict", "crash", "elastic-prepare@"),  # coverage fails: a second agent registers
-])
+@pytest.mark.parametrize(
+    "strategy, profile, verdict, where",
+    [
+        ("per-communicator-agent", "dram", "pass", None),
+        ("arena-registry", "dram", "pass", None),
+        ("shared-agent", "dram", "crash", "worker@"),  # reuses the agent, never registers the new buffer
+        ("shared-agent", "rocm-strict", "crash", "worker@"),
+        ("arena-registry", "rocm-strict", "crash", "elastic-prepare@"),  # coverage fails: a second agent registers
+    ],
+)
 def test_storage_moved_before_prepare(strategy: str, profile: str, verdict: str, where: str | None) -> None:
     r = run("scale-up", strategy=strategy, profile=profile, faults=["storage.move"])
     assert r.verdict == verdict, r.detail
@@ -290,15 +360,18 @@ def test_storage_moved_before_prepare(strategy: str, profile: str, verdict: str,
     assert r.faults_fired["storage.move"] >= 1
 
 
-@pytest.mark.parametrize("strategy, verdict, error", [
-    # Re-adding every peer every time is not idempotent once a peer recreated its agent under the same name: the
-    # kept entry has the old connection and NIXL refuses the new one (vLLM fault 6 of docs/reference/vllm-eplb.md).
-    ("shared-agent", "crash", "nixlNotAllowedError"),
-    # The arena's peer cache keeps the dead connection: the first READ towards the restarted rank fails.
-    ("arena-registry", "crash", "nixlRemoteDisconnectError"),
-    # Fresh agents under fresh names for every communicator: nobody loads the restarted name again.
-    ("per-communicator-agent", "pass", None),
-])
+@pytest.mark.parametrize(
+    "strategy, verdict, error",
+    [
+        # Re-adding every peer every time is not idempotent once a peer recreated its agent under the same name: the
+        # kept entry has the old connection and NIXL refuses the new one (vLLM fault 6 of docs/reference/vllm-eplb.md).
+        ("shared-agent", "crash", "nixlNotAllowedError"),
+        # The arena's peer cache keeps the dead connection: the first READ towards the restarted rank fails.
+        ("arena-registry", "crash", "nixlRemoteDisconnectError"),
+        # Fresh agents under fresh names for every communicator: nobody loads the restarted name again.
+        ("per-communicator-agent", "pass", None),
+    ],
+)
 def test_peer_restarted_under_the_same_name(strategy: str, verdict: str, error: str | None) -> None:
     r = run("scale-up", strategy=strategy, faults=["peer.restart:rank=1,times=1"])
     assert r.verdict == verdict, r.detail
@@ -326,8 +399,13 @@ def test_a_nixl_fault_is_armed_at_its_step_inside_a_serving_chunk() -> None:
     from sim.cluster import Cluster
     from sim.faults import parse
 
-    c = Cluster(load("steady"), seed=0, strategy="shared-agent", profile="dram",
-                faults=[parse("nixl.xfer.late:at_step=137,delay=0.5")])
+    c = Cluster(
+        load("steady"),
+        seed=0,
+        strategy="shared-agent",
+        profile="dram",
+        faults=[parse("nixl.xfer.late:at_step=137,delay=0.5")],
+    )
     c.run()
     records = list(c.kernel.history.records)
     c.kernel.close()
@@ -399,8 +477,9 @@ def _async_run(scenario: str, faults=(), strategy: str | None = None, use_async:
     from sim.faults import parse
 
     sc = with_overrides(load(scenario), **{"eplb.use_async": use_async}, **overrides)
-    cluster = Cluster(sc, seed=0, strategy=strategy or sc.strategy, profile=sc.profile,
-                      faults=[parse(f) for f in faults])
+    cluster = Cluster(
+        sc, seed=0, strategy=strategy or sc.strategy, profile=sc.profile, faults=[parse(f) for f in faults]
+    )
     cluster.run()
     return cluster
 
@@ -416,7 +495,7 @@ def test_async_eplb_moves_layers_while_the_group_serves_and_drains_before_a_comm
     for i, (kind, _) in enumerate(records):
         if kind != "engine.rebalance":
             continue
-        after = [k for k, _ in records[i + 1:]]
+        after = [k for k, _ in records[i + 1 :]]
         first_serve = after.index("engine.serve") if "engine.serve" in after else len(after)
         first_done = after.index("eplb.rearranged")
         if first_serve < first_done:
@@ -463,7 +542,9 @@ def test_async_eplb_takes_a_layer_only_when_every_rank_has_it(lag) -> None:
     eplb = {key: n for key, n in _arrivals(cluster, "").items() if not key[0].endswith("/ep")}
     sync = _arrivals(_async_run("scale-up", faults, SYNCED, use_async=False), "")
     assert {key: n - sync[key] for key, n in eplb.items()} == {
-        **{("eplb#0", p): 8 for p in (0, 1)}, **{("eplb#1", p): 20 for p in (0, 1, 2, 3)}}
+        **{("eplb#0", p): 8 for p in (0, 1)},
+        **{("eplb#1", p): 20 for p in (0, 1, 2, 3)},
+    }
     assert not [f for _, kind, f in cluster.kernel.history.records if kind == "eplb.stopped"]
 
 
@@ -472,12 +553,19 @@ def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) 
     """An abort reaches only the ranks that were to stay; with a rebalance in flight (30 layers from step 125, the
     abort's PREPARE from step 126) the ranks a scale-down would have removed must drain too, since only a rank's
     own main thread takes its staged layers (else they hold everyone's next collective)."""
-    cluster = _async_run("scale-down", use_async=use_async, **{"model.layers": 30},
-                         timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}],
-                         lifecycle="pr-53947")
+    cluster = _async_run(
+        "scale-down",
+        use_async=use_async,
+        **{"model.layers": 30},
+        timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}],
+        lifecycle="pr-53947",
+    )
     assert cluster.oracles.verdict() == ("pass", None, None)
-    moved_async = {f["pid"] for _, kind, f in cluster.kernel.history.records
-                   if kind == "thread.start" and f["thread"].startswith("eplb-async@")}
+    moved_async = {
+        f["pid"]
+        for _, kind, f in cluster.kernel.history.records
+        if kind == "thread.start" and f["thread"].startswith("eplb-async@")
+    }
     assert moved_async == ({0, 1, 2, 3} if use_async else set())  # the rebalance did run on async threads
 
 
@@ -489,13 +577,16 @@ def test_a_rank_dying_mid_rebalance_stops_the_run_at_once_and_closes_its_groups(
     cluster = _async_run("rank-failure", timeline=[{"at_step": 626, "kind": "fail_rank", "rank": 3}])
     verdict, invariant, detail = cluster.oracles.verdict()
     assert (verdict, invariant) == ("liveness", "stuck")
-    assert detail.startswith("serving steps 626..925: pids [3] were killed and will never answer: pid 3: worker@3 "
-                             "killed on waiting for the engine, eplb-async@3 killed")
+    assert detail.startswith(
+        "serving steps 626..925: pids [3] were killed and will never answer: pid 3: worker@3 "
+        "killed on waiting for the engine, eplb-async@3 killed"
+    )
     records = cluster.kernel.history.records
     killed = next(t for t, kind, _ in records if kind == "process.kill")
     assert cluster.oracles.first_problem().t == killed == cluster.kernel.now()
-    waiting = {f["pid"] for t, kind, f in records if kind == "collective.arrive" and f["group"] == "eplb#0"
-               and f["seq"] == 14}
+    waiting = {
+        f["pid"] for t, kind, f in records if kind == "collective.arrive" and f["group"] == "eplb#0" and f["seq"] == 14
+    }
     assert waiting == {0, 1, 2}  # the survivors' async threads were in the EPLB group's collective when it died
     from fakes import torch_dist
 
@@ -526,11 +617,14 @@ def test_no_builtin_strategy_sends_nixl_notifications(strategy: str) -> None:
     assert r.faults_fired == {"nixl.notif.drop": 0, "nixl.notif.delay:delay=0.5": 0}
 
 
-@pytest.mark.parametrize("fault, strategy, verdict, fired", [
-    ("gc.late:at_step=1010", "per-communicator-agent", "pass", 2),  # the old communicators dropped at the commit
-    ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 132),  # every READ from the reshuffle on
-    ("storage.move:at_step=1010", "shared-agent", "crash", 2),  # the buffer moved under PREPARE's new communicator
-])
+@pytest.mark.parametrize(
+    "fault, strategy, verdict, fired",
+    [
+        ("gc.late:at_step=1010", "per-communicator-agent", "pass", 2),  # the old communicators dropped at the commit
+        ("nixl.xfer.late:at_step=1010,delay=0.5", "shared-agent", "pass", 132),  # every READ from the reshuffle on
+        ("storage.move:at_step=1010", "shared-agent", "crash", 2),  # the buffer moved under PREPARE's new communicator
+    ],
+)
 def test_a_fault_due_while_an_elastic_event_serves_applies_to_the_event(fault, strategy, verdict, fired) -> None:
     """scale-up starts PREPARE at step 1000 and serves in short chunks until it commits at step 1020; a fault due at
     step 1010 applies from there on (rather than waiting for the event to end, and never firing)."""
@@ -557,10 +651,13 @@ def test_a_nixl_fault_armed_from_the_start_meets_the_first_registrations() -> No
     assert r.detail.endswith("nixlBackendError: NIXL_ERR_BACKEND")
 
 
-@pytest.mark.parametrize("overrides", [
-    {"serving": {"step_time_s": 0.25, "drift_every_steps": 0}, "eplb": {"step_interval": 3000}, "steps": 6000},
-    {"timeline": [{"at_step": 1000, "kind": "scale_up", "to": 4, "prepare_s": 700.0}]},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"serving": {"step_time_s": 0.25, "drift_every_steps": 0}, "eplb": {"step_interval": 3000}, "steps": 6000},
+        {"timeline": [{"at_step": 1000, "kind": "scale_up", "to": 4, "prepare_s": 700.0}]},
+    ],
+)
 def test_long_serving_chunks_and_long_prepares_are_no_liveness_failure(overrides) -> None:
     """A serving chunk of 3000 steps x 0.25 s, or a PREPARE of 700 s, is longer than the 660 s a command may
     overrun; the limit counts on top of what the command itself takes (so neither is `stuck`)."""
@@ -623,9 +720,22 @@ def test_addresses_random_and_ns_clocks_do_not_reach_the_history(factory: str) -
     import sys
 
     here = run("scale-up", strategy=f"tests.strategies.unruly:{factory}")  # this process: other addresses
-    done = subprocess.run([sys.executable, "-m", "sim.cli", "run", "scale-up", "--json", "--strategy",
-                           f"tests.strategies.unruly:{factory}"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONHASHSEED": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "run",
+            "scale-up",
+            "--json",
+            "--strategy",
+            f"tests.strategies.unruly:{factory}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "1"},
+    )
     there = json.loads(done.stdout.strip().splitlines()[-1])
     assert there["trace_hash"] == here.trace_hash
     assert "0x7" not in (there["detail"] or "") and "0x5" not in (there["detail"] or "")

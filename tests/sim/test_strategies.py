@@ -57,9 +57,9 @@ def make_weights(rank: int, placement: list[list[int]]) -> tuple[list[list[torch
 
 def source(old: list[int], expert: int, dst: int) -> int:
     """The rank ``dst`` receives ``expert`` from: itself if it has it, else the first rank holding it."""
-    if expert in old[dst * LOCAL:(dst + 1) * LOCAL]:
+    if expert in old[dst * LOCAL : (dst + 1) * LOCAL]:
         return dst
-    return next(r for r in range(WORLD) if expert in old[r * LOCAL:(r + 1) * LOCAL])
+    return next(r for r in range(WORLD) if expert in old[r * LOCAL : (r + 1) * LOCAL])
 
 
 def move(comm, rank: int, weights, buffer, old: list[list[int]], new: list[list[int]]) -> None:
@@ -74,7 +74,7 @@ def move(comm, rank: int, weights, buffer, old: list[list[int]], new: list[list[
                     continue
                 src = source(o, expert, dst)
                 if src == rank and dst != rank:
-                    src_row = o[rank * LOCAL:(rank + 1) * LOCAL].index(expert)
+                    src_row = o[rank * LOCAL : (rank + 1) * LOCAL].index(expert)
                     comm.add_send([weights[layer][t][src_row] for t in range(TENSORS)], dst, expert)
                 if dst == rank:
                     comm.add_recv([buffer[t][row] for t in range(TENSORS)], src, expert)
@@ -137,12 +137,14 @@ class World:
 def run_world(strategy: str, body: Callable[[World, int], None], profile: str = "dram") -> World:
     kernel = Kernel(seed=0)
     fabric = FakeFabric(profile, clock=kernel.now, whoami=lambda: kernel.current().pid)
-    fabric.poll_wait = lambda due: kernel.sleep(min(max(due - kernel.now(), 1e-6), 1e-3)
-                                                if due != float("inf") else 1e-3)
+    fabric.poll_wait = lambda due: kernel.sleep(
+        min(max(due - kernel.now(), 1e-6), 1e-3) if due != float("inf") else 1e-3
+    )
     pids = list(range(WORLD))
     with fakes.installed(fabric), torch_dist.installed():
         world = World(
-            kernel, fabric,
+            kernel,
+            fabric,
             factories=[plugins.load(strategy) for _ in pids],  # one fresh module instance per process
             groups=[Rendezvous(kernel, f"eplb#{g}", pids, timeout_s=300).groups() for g in range(2)],
             sync=Rendezvous(kernel, "test#sync", pids, timeout_s=3600).groups(),  # outwaits eplb timeouts
@@ -185,11 +187,14 @@ def replacement(w: World, rank: int) -> None:
     w.results[rank] = wrong_rows(rank, weights, P2)
 
 
-@pytest.mark.parametrize("strategy, both", [
-    ("per-communicator-agent", (2, 2 * REGIONS, REGIONS)),  # a second agent, every page registered twice
-    ("arena-registry", (1, REGIONS, REGIONS)),
-    ("shared-agent", (1, REGIONS, REGIONS)),
-])
+@pytest.mark.parametrize(
+    "strategy, both",
+    [
+        ("per-communicator-agent", (2, 2 * REGIONS, REGIONS)),  # a second agent, every page registered twice
+        ("arena-registry", (1, REGIONS, REGIONS)),
+        ("shared-agent", (1, REGIONS, REGIONS)),
+    ],
+)
 def test_b_elastic_replacement_moves_again_and_counts_agents(strategy: str, both: tuple[int, int, int]) -> None:
     w = run_world(strategy, replacement)
     assert {r: w.results[r] for r in range(WORLD)} == {0: [], 1: [], 2: []}
@@ -208,11 +213,14 @@ def test_b_literal_counts_per_communicator_agent_vs_shared_agent() -> None:
 
 
 # -- (c) rocm-strict: a second registration of the same pages in one process fails ------------------------------
-@pytest.mark.parametrize("strategy, outcome", [
-    ("per-communicator-agent", "nixlBackendError"),
-    ("arena-registry", "ok"),
-    ("shared-agent", "ok"),
-])
+@pytest.mark.parametrize(
+    "strategy, outcome",
+    [
+        ("per-communicator-agent", "nixlBackendError"),
+        ("arena-registry", "ok"),
+        ("shared-agent", "ok"),
+    ],
+)
 def test_c_rocm_strict_refuses_the_second_registration(strategy: str, outcome: str) -> None:
     def body(w: World, rank: int) -> None:
         weights, buffer = make_weights(rank, P0)
@@ -243,8 +251,10 @@ def one_rank_drops_old(w: World, rank: int) -> None:
     w.at_checkpoint(rank, lambda: setattr(w, "phase", "drop"))
     if rank == 1:
         old.clear()
-    w.at_checkpoint(rank, lambda: (w.results.update(live=sorted(c.name for c in w.fabric.conns.values())),
-                                   setattr(w, "phase", "move")))
+    w.at_checkpoint(
+        rank,
+        lambda: (w.results.update(live=sorted(c.name for c in w.fabric.conns.values())), setattr(w, "phase", "move")),
+    )
     try:
         move(new, rank, weights, buffer, P1, P2)
         w.results[rank] = "ok" if not wrong_rows(rank, weights, P2) else "wrong"
@@ -256,23 +266,30 @@ def one_rank_drops_old(w: World, rank: int) -> None:
     w.barrier(rank)
 
 
-@pytest.mark.parametrize("profile, outcomes", [
-    # RDMA checks keys: peers' READs from rank 1 fail, and rank 1's own READs find no local registration.
-    ("rdma", {0: "nixlRemoteDisconnectError", 1: "nixlNotFoundError", 2: "nixlRemoteDisconnectError"}),
-    # cma copies from deregistered memory (correct bytes, silently); only rank 1 fails, the others wait for it.
-    ("dram", {0: "CollectiveTimeout", 1: "nixlNotFoundError", 2: "CollectiveTimeout"}),
-])
+@pytest.mark.parametrize(
+    "profile, outcomes",
+    [
+        # RDMA checks keys: peers' READs from rank 1 fail, and rank 1's own READs find no local registration.
+        ("rdma", {0: "nixlRemoteDisconnectError", 1: "nixlNotFoundError", 2: "nixlRemoteDisconnectError"}),
+        # cma copies from deregistered memory (correct bytes, silently); only rank 1 fails, the others wait for it.
+        ("dram", {0: "CollectiveTimeout", 1: "nixlNotFoundError", 2: "CollectiveTimeout"}),
+    ],
+)
 def test_d_broken_strategy_reads_from_deregistered_memory(profile: str, outcomes: dict) -> None:
     w = run_world(BROKEN, one_rank_drops_old, profile=profile)
     name1 = w.results["names"][1]
     # Dropping rank 1's old communicator deregistered all 6 ranges of the agent rank 1's new communicator uses...
     assert [(kind, f["pid"], f["agent"], len(f["ranges"])) for phase, kind, f in w.events if phase == "drop"] == [
-        ("deregister", 1, name1, REGIONS)]
+        ("deregister", 1, name1, REGIONS)
+    ]
     assert name1 in w.results["live"]  # ...while that agent is alive and about to serve the next move
     assert {r: w.results[r] for r in range(WORLD)} == outcomes
     # The READs that the peers then made from rank 1's deregistered rows: completed on cma, refused over RDMA.
-    reads = sorted((f["pid"], kind) for phase, kind, f in w.events
-                   if phase == "move" and kind in ("xfer.post", "xfer.done") and f["peer"] == name1)
+    reads = sorted(
+        (f["pid"], kind)
+        for phase, kind, f in w.events
+        if phase == "move" and kind in ("xfer.post", "xfer.done") and f["peer"] == name1
+    )
     if profile == "dram":
         # One READ per received expert (both tensors in one request) from ranks 0 and 2: posted and completed.
         assert reads == [(0, "xfer.done"), (0, "xfer.post"), (2, "xfer.done"), (2, "xfer.post")]
@@ -291,15 +308,19 @@ def test_d_shared_agent_survives_the_same_schedule(profile: str) -> None:
 
 
 # -- (f) the simplification's premise: "expert weights and expert_buffer keep their storage" ---------------------
-@pytest.mark.parametrize("strategy, profile, outcome", [
-    ("per-communicator-agent", "dram", "ok"),
-    ("arena-registry", "dram", "ok"),  # the new range is not covered: a second arena agent registers everything
-    ("shared-agent", "dram", "nixlNotFoundError"),  # the new buffer was never registered: the first READ fails
-    ("arena-registry", "rocm-strict", "nixlBackendError"),  # ...and that second agent re-registers the weights
-])
+@pytest.mark.parametrize(
+    "strategy, profile, outcome",
+    [
+        ("per-communicator-agent", "dram", "ok"),
+        ("arena-registry", "dram", "ok"),  # the new range is not covered: a second arena agent registers everything
+        ("shared-agent", "dram", "nixlNotFoundError"),  # the new buffer was never registered: the first READ fails
+        ("arena-registry", "rocm-strict", "nixlBackendError"),  # ...and that second agent re-registers the weights
+    ],
+)
 def test_f_a_reallocated_expert_buffer(strategy: str, profile: str, outcome: str) -> None:
     """vLLM main@06-21's switch_and_prepare reallocated ``expert_buffer``; newer code reuses it.  Only the
     strategies that register at every creation survive a reallocation."""
+
     def body(w: World, rank: int) -> None:
         weights, buffer = make_weights(rank, P0)
         old = w.factories[rank](w.groups[0][rank], weights, buffer)
@@ -321,22 +342,31 @@ def test_f_a_reallocated_expert_buffer(strategy: str, profile: str, outcome: str
 def test_e_unknown_strategy_lists_the_builtins() -> None:
     with pytest.raises(UnknownStrategy) as info:
         plugins.load("shared_agent")
-    assert str(info.value) == ("strategy 'shared_agent' not found; known: per-communicator-agent, "
-                               "per-communicator-agent-deferred, arena-registry, shared-agent, vllm[:PATH], "
-                               "vllm+shared-agent[:PATH], or package.module:factory")
+    assert str(info.value) == (
+        "strategy 'shared_agent' not found; known: per-communicator-agent, "
+        "per-communicator-agent-deferred, arena-registry, shared-agent, vllm[:PATH], "
+        "vllm+shared-agent[:PATH], or package.module:factory"
+    )
     assert isinstance(info.value, LookupError)
 
 
-@pytest.mark.parametrize("source, message", [
-    ("def create(group, w, b):\n    pass\n", "is not a strategy factory: create(group, w, b) cannot be called as "
-     "factory(group, expert_weights, expert_buffer, prev_communicator), which returns an EPLB communicator (too "
-     "many positional arguments)"),
-    ("def create(group, w, b, prev=None, *, extra):\n    pass\n", "(missing a required argument: 'extra')"),
-    ("x = 1\n", "'bad_factory' has no callable 'create'"),
-    ("def create(\n", "importing 'bad_factory' failed: SyntaxError"),
-])
-def test_e_a_factory_that_cannot_be_called_as_workers_call_it_is_refused_at_load(source, message, tmp_path,
-                                                                                 monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (
+            "def create(group, w, b):\n    pass\n",
+            "is not a strategy factory: create(group, w, b) cannot be called as "
+            "factory(group, expert_weights, expert_buffer, prev_communicator), which returns an EPLB communicator (too "
+            "many positional arguments)",
+        ),
+        ("def create(group, w, b, prev=None, *, extra):\n    pass\n", "(missing a required argument: 'extra')"),
+        ("x = 1\n", "'bad_factory' has no callable 'create'"),
+        ("def create(\n", "importing 'bad_factory' failed: SyntaxError"),
+    ],
+)
+def test_e_a_factory_that_cannot_be_called_as_workers_call_it_is_refused_at_load(
+    source, message, tmp_path, monkeypatch
+) -> None:
     """Before, a factory without the fourth argument loaded fine and every rank crashed inside the run."""
     (tmp_path / "bad_factory.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -393,4 +423,7 @@ def test_e_two_loads_have_independent_module_state() -> None:
         assert len(fabric.conns) == 2  # b still uses the first arena
         del b, c
         assert (len(fabric.conns), first.__globals__["_ARENA_AGENTS"], second.__globals__["_ARENA_AGENTS"]) == (
-            0, {}, {})
+            0,
+            {},
+            {},
+        )

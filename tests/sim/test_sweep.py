@@ -27,11 +27,14 @@ PCA_CRASH = f"exception:nixlBackendError@PerAgentNixlCommunicator.__init__|{PCA}
 
 
 def test_plan_is_the_cross_product_with_stable_distinct_keys() -> None:
-    specs = sweep_mod.plan("scale-up", range(3), ["shared-agent", PCA], ["dram", "rocm-strict"],
-                           ["gc.late:delay_s=2"])
+    specs = sweep_mod.plan("scale-up", range(3), ["shared-agent", PCA], ["dram", "rocm-strict"], ["gc.late:delay_s=2"])
     assert len(specs) == 12 and len({s.key for s in specs}) == 12
-    assert [s.key for s in specs] == [s.key for s in sweep_mod.plan("scale-up", range(3), ["shared-agent", PCA],
-                                                                     ["dram", "rocm-strict"], ["gc.late:delay_s=2"])]
+    assert [s.key for s in specs] == [
+        s.key
+        for s in sweep_mod.plan(
+            "scale-up", range(3), ["shared-agent", PCA], ["dram", "rocm-strict"], ["gc.late:delay_s=2"]
+        )
+    ]
     assert specs[0].faults == ("gc.late:delay_s=2",) and specs[0].load_scenario().name == "scale-up"
 
 
@@ -47,8 +50,9 @@ def test_parse_seeds(text, ok) -> None:
 def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: Path) -> None:
     specs = sweep_mod.plan("scale-up", range(3), ["shared-agent", PCA], ["rocm-strict"])
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
-        out = sweep_mod.run_sweep(specs, db, executors.LocalEngine(2), resume=False, bundles_dir=tmp_path / "b",
-                                  command="test")
+        out = sweep_mod.run_sweep(
+            specs, db, executors.LocalEngine(2), resume=False, bundles_dir=tmp_path / "b", command="test"
+        )
         rows = list(db.rows())
     assert out.ran == 6 and len(rows) == 6
     by = {(r["strategy"], r["seed"]): r for r in rows}
@@ -61,7 +65,8 @@ def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: P
     assert out.new_signatures == [PCA_CRASH] and len(out.bundles) == 1
     b = bundle.load(out.bundles[0])
     assert {"failure.json", "scenario.yaml", "tape.json", "history.jsonl", "trace.perfetto.json"} <= {
-        p.name for p in b.path.iterdir()}
+        p.name for p in b.path.iterdir()
+    }
     assert b.config["profile"] == "rocm-strict" and b.config["strategy"] == PCA
     assert b.expected["trace_hash"] == by[(PCA, b.config["seed"])]["trace_hash"]
     assert "nondeterministic" not in b.data
@@ -70,17 +75,21 @@ def test_local_sweep_stores_every_run_and_bundles_each_new_signature(tmp_path: P
     # a second sweep over the same database without --resume refuses; with it, nothing runs twice
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
         with pytest.raises(ScenarioError, match="--resume"):
-            sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=False, bundles_dir=tmp_path / "b",
-                                command="test")
-        again = sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=True, bundles_dir=tmp_path / "b",
-                                    command="test")
+            sweep_mod.run_sweep(
+                specs, db, executors.LocalEngine(1), resume=False, bundles_dir=tmp_path / "b", command="test"
+            )
+        again = sweep_mod.run_sweep(
+            specs, db, executors.LocalEngine(1), resume=True, bundles_dir=tmp_path / "b", command="test"
+        )
         assert (again.ran, again.skipped, db.count()) == (0, 6, 6)
 
 
 def test_crashed_hung_and_raising_runs_are_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
-    specs = (sweep_mod.plan("steady", range(2), ["tests.strategies.misbehaving:crash_process"])
-             + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
-             + sweep_mod.plan("steady", range(2), ["shared-agent"]))
+    specs = (
+        sweep_mod.plan("steady", range(2), ["tests.strategies.misbehaving:crash_process"])
+        + sweep_mod.plan("steady", range(1), ["tests.strategies.misbehaving:spin"])
+        + sweep_mod.plan("steady", range(2), ["shared-agent"])
+    )
     broken = sweep_mod.RunSpec("bad", "ranks: [not, a, number]", 0, "shared-agent", "dram")
     rows = {r["run_key"]: r for r in executors.LocalEngine(2, timeout=8).map(specs + [broken])}
     assert len(rows) == len(specs) + 1
@@ -117,8 +126,13 @@ def _wait_for_rows(db: Path, n: int, proc: subprocess.Popen, limit_s: float = 12
 def test_a_sweep_killed_with_sigkill_and_resumed_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     db = tmp_path / "k.db"
     args = ["sweep", "steady", "--seeds", "0:24", "--db", str(db), "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for_rows(db, 5, proc)
     finally:
@@ -148,7 +162,8 @@ def test_swarm_draws_depend_on_the_seed_only_and_are_stored_as_explicit_faults(t
 
 
 def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_row_points_at_it(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     """The bundle is written before its row is stored (a sweep killed in between runs the run again on --resume),
     into the folder a killed write left without failure.json (with the row stored first and the folder left as it
     was, a signature seen once would never be bundled); the database holds absolute paths."""
@@ -158,8 +173,9 @@ def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_r
     (half / "scenario.yaml").write_text("partial\n")
     monkeypatch.chdir(tmp_path)
     with resultsdb.ResultsDB(tmp_path / "r.db") as db:
-        out = sweep_mod.run_sweep(specs, db, executors.LocalEngine(1), resume=False, bundles_dir=Path("b"),
-                                  command="test")
+        out = sweep_mod.run_sweep(
+            specs, db, executors.LocalEngine(1), resume=False, bundles_dir=Path("b"), command="test"
+        )
         (row,) = list(db.rows())
     assert out.bundles == [str(half)] and row["bundle"] == str(half)
     assert bundle.load(half).config["strategy"] == PCA and (half / "scenario.yaml").read_text() != "partial\n"
@@ -168,26 +184,32 @@ def test_a_bundle_left_half_written_by_a_killed_sweep_is_written_again_and_the_r
 def test_the_default_bundles_folder_is_checked_before_any_run(tmp_path: Path) -> None:
     (tmp_path / "r-bundles").write_text("keep\n")
     done = epsim_here("sweep", "steady", "--seeds", "0:1", "--db", str(tmp_path / "r.db"))
-    assert done.returncode == 2 and done.stderr == (f"epsim: error: the bundles folder next to --db "
-                                                    f"{tmp_path / 'r-bundles'}: that is a file; give a directory (it "
-                                                    "is made if missing)\n")
+    assert done.returncode == 2 and done.stderr == (
+        f"epsim: error: the bundles folder next to --db "
+        f"{tmp_path / 'r-bundles'}: that is a file; give a directory (it "
+        "is made if missing)\n"
+    )
     assert not (tmp_path / "r.db").exists() and (tmp_path / "r-bundles").read_text() == "keep\n"
 
 
 def test_cli_sweep_bad_input_is_one_line(tmp_path: Path) -> None:
-    for args, message in [(("--seeds", "5:2"), "B must be greater than A"),
-                          (("--seeds", "0:2", "--engine", "mpi"), "--engine 'mpi'"),
-                          (("--seeds", "0:2", "--strategy", "nope"), "nope"),
-                          (("--seeds", "0:2", "--fault", "gc.bogus"), "gc.bogus"),
-                          (("--seeds", "0:2", "--fault", "gc.late:delay_s=1,delay_s=2"), "delay_s is given twice"),
-                          # the plan would be built in memory until MemoryError
-                          (("--seeds", "0:10000000000000"), "one sweep plans at most 1,000,000 runs"),
-                          (("--seeds", "0:400000", "--profile", "dram", "--profile", "cuda", "--profile", "rdma"),
-                           "400000 seeds x 1 strategies x 3 profiles"),
-                          (("--seeds", "9223372036854775807:9223372036854775809"), "seeds go up to"),
-                          (("--seeds", "0:1", "--ray-address", "localhost:1"), "--ray-address is for --engine ray"),
-                          (("--seeds", "0:1", "--db", ""), "--db: an empty path"),
-                          (("--seeds", "0:1", "--db", str(tmp_path)), "that is a directory")]:
+    for args, message in [
+        (("--seeds", "5:2"), "B must be greater than A"),
+        (("--seeds", "0:2", "--engine", "mpi"), "--engine 'mpi'"),
+        (("--seeds", "0:2", "--strategy", "nope"), "nope"),
+        (("--seeds", "0:2", "--fault", "gc.bogus"), "gc.bogus"),
+        (("--seeds", "0:2", "--fault", "gc.late:delay_s=1,delay_s=2"), "delay_s is given twice"),
+        # the plan would be built in memory until MemoryError
+        (("--seeds", "0:10000000000000"), "one sweep plans at most 1,000,000 runs"),
+        (
+            ("--seeds", "0:400000", "--profile", "dram", "--profile", "cuda", "--profile", "rdma"),
+            "400000 seeds x 1 strategies x 3 profiles",
+        ),
+        (("--seeds", "9223372036854775807:9223372036854775809"), "seeds go up to"),
+        (("--seeds", "0:1", "--ray-address", "localhost:1"), "--ray-address is for --engine ray"),
+        (("--seeds", "0:1", "--db", ""), "--db: an empty path"),
+        (("--seeds", "0:1", "--db", str(tmp_path)), "that is a directory"),
+    ]:
         done = epsim_here("sweep", "steady", *args, *(() if "--db" in args else ("--db", str(tmp_path / "x.db"))))
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
@@ -202,11 +224,13 @@ def test_a_ray_address_nothing_listens_on_is_one_line_and_leaves_no_database(tmp
         port = s.getsockname()[1]
     for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
         db = tmp_path / "r.db"
-        done = epsim_here("sweep", "steady", "--seeds", "0:1", "--engine", "ray", "--ray-address", address,
-                          "--db", str(db))
+        done = epsim_here(
+            "sweep", "steady", "--seeds", "0:1", "--engine", "ray", "--ray-address", address, "--db", str(db)
+        )
         assert done.returncode == 2, done.stderr
-        assert done.stderr.strip().splitlines() == [f"epsim: error: --ray-address {address}: cannot reach "
-                                                    f"127.0.0.1:{port} (Connection refused)"]
+        assert done.stderr.strip().splitlines() == [
+            f"epsim: error: --ray-address {address}: cannot reach 127.0.0.1:{port} (Connection refused)"
+        ]
         assert not db.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -219,8 +243,10 @@ def test_a_sweep_leaves_a_sqlite_file_of_something_else_as_it_was(tmp_path: Path
     before = db.read_bytes()
     done = epsim("sweep", "steady", "--seeds", "0:1", "--db", str(db))
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"epsim: error: {db}: a file that is not an epsim results database; "
-                                                "give a new file, or one that epsim sweep wrote"]
+    assert done.stderr.strip().splitlines() == [
+        f"epsim: error: {db}: a file that is not an epsim results database; "
+        "give a new file, or one that epsim sweep wrote"
+    ]
     assert db.read_bytes() == before and not (tmp_path / "theirs.db-wal").exists()
 
 
@@ -238,7 +264,8 @@ def test_a_plot_that_cannot_be_written_keeps_the_earlier_one_and_the_summary_is_
     assert done.returncode == 2 and json.loads(done.stdout)["runs"] == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"epsim: error: {folder / PLOTS[0]}: could not write the plot (") and line.endswith(
-        "); an earlier one there is kept"), line
+        "); an earlier one there is kept"
+    ), line
     assert (folder / PLOTS[0]).read_bytes() == earlier
 
 
@@ -251,22 +278,28 @@ def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path
         c.execute("UPDATE runs SET faults_armed='not json' WHERE id=2")
     done = epsim("report", str(changed), "--no-plots")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"epsim: error: {changed}: run 2's faults_armed is not JSON; the "
-                                                "database was changed by something other than epsim"]
+    assert done.stderr.strip().splitlines() == [
+        f"epsim: error: {changed}: run 2's faults_armed is not JSON; the "
+        "database was changed by something other than epsim"
+    ]
     # valid JSON of another shape, and JSON nested past the parser's depth, are refused the same way
-    for column, value, said in [("faults_armed", "[1]", "is not a list of fault strings"),
-                                ("faults_fired", "[1, 2]", "is not an object of fault sites and counts"),
-                                ("metrics", "5", "is not an object of metrics"),
-                                ("implicated", '"x"', "is not a list of fault strings"),
-                                ("faults_requested", "[" * 1200 + "]" * 1200, "is not JSON")]:
+    for column, value, said in [
+        ("faults_armed", "[1]", "is not a list of fault strings"),
+        ("faults_fired", "[1, 2]", "is not an object of fault sites and counts"),
+        ("metrics", "5", "is not an object of metrics"),
+        ("implicated", '"x"', "is not a list of fault strings"),
+        ("faults_requested", "[" * 1200 + "]" * 1200, "is not JSON"),
+    ]:
         with sqlite3.connect(changed) as c:
-            c.execute("UPDATE runs SET faults_armed='[]', faults_fired='{}', metrics='{}', implicated='[]', "
-                      "faults_requested='[]'")
+            c.execute(
+                "UPDATE runs SET faults_armed='[]', faults_fired='{}', metrics='{}', implicated='[]', "
+                "faults_requested='[]'"
+            )
             c.execute(f"UPDATE runs SET {column}=? WHERE id=2", (value,))
         done = epsim_here("report", str(changed), "--no-plots")  # (in this interpreter: seconds less each)
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-            f"epsim: error: {changed}: run 2's {column} {said}; the database was changed by something other than "
-            "epsim"], done.stderr
+            f"epsim: error: {changed}: run 2's {column} {said}; the database was changed by something other than epsim"
+        ], done.stderr
     with sqlite3.connect(changed) as c:
         c.execute("ALTER TABLE runs DROP COLUMN metrics")
     for args in (("report", str(changed)), ("sweep", "steady", "--seeds", "0:3", "--resume", "--db", str(changed))):
@@ -277,8 +310,9 @@ def test_report_on_a_database_changed_behind_its_back_is_one_line(tmp_path: Path
     assert done.returncode == 2 and "the default --plots" in done.stderr and "that is a file" in done.stderr
 
 
-@pytest.mark.parametrize("path, line", [(".", ".: that is a directory; give a file name"),
-                                        ("/", "/: that is a directory; give a file name")])
+@pytest.mark.parametrize(
+    "path, line", [(".", ".: that is a directory; give a file name"), ("/", "/: that is a directory; give a file name")]
+)
 def test_report_on_a_directory_is_one_line_also_without_plots(path: str, line: str) -> None:
     """Deriving the default plots folder from the path before checking it would be a traceback for '.' and '/'."""
     done = epsim_here("report", path, "--no-plots")
@@ -295,8 +329,9 @@ def _as_a_user(*args: str) -> subprocess.CompletedProcess:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv: file permissions cannot be enforced")
         prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
-    return subprocess.run([*prefix, sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "sim.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_read_only_database_is_one_line_for_a_sweep_and_readable_for_a_report(tmp_path: Path) -> None:
@@ -312,8 +347,10 @@ def test_a_read_only_database_is_one_line_for_a_sweep_and_readable_for_a_report(
     db.chmod(0o444)
     before = sorted(p.name for p in folder.iterdir())
     done = _as_a_user("sweep", "steady", "--seeds", "5:7", "--db", str(db))
-    assert (done.returncode, done.stderr) == (2, f"epsim: error: {db}: cannot write to it (Permission denied); "
-                                                 "give a file you can write\n")
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"epsim: error: {db}: cannot write to it (Permission denied); give a file you can write\n",
+    )
     assert sorted(p.name for p in folder.iterdir()) == before
     folder.chmod(0o555)
     try:
@@ -345,8 +382,12 @@ def test_a_report_leaves_nothing_beside_the_database_it_read(tmp_path: Path) -> 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_stopped_sweep_says_how_many_runs_it_kept_and_how_to_go_on(tmp_path: Path, signum, code) -> None:
     db = tmp_path / "s.db"
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "sweep", "steady", "--seeds", "0:100000", "--db",
-                             str(db), "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim.cli", "sweep", "steady", "--seeds", "0:100000", "--db", str(db), "--workers", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until some runs are stored
         time.sleep(0.5)

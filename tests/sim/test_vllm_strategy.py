@@ -20,12 +20,20 @@ from sim.run import run_scenario
 from sim.scenario import load
 from tests.conftest import epsim_here
 
+
 def run(scenario: str, strategy: str = "vllm", **kw):
     return run_scenario(load(scenario), strategy=strategy, **kw)
 
 
-@pytest.mark.parametrize("scenario,verdict", [("scale-up", ("pass", None)), ("scale-down", ("pass", None)),
-                                              ("elastic-cycle", ("pass", None)), ("abort", ("safety", "stale_peer"))])
+@pytest.mark.parametrize(
+    "scenario,verdict",
+    [
+        ("scale-up", ("pass", None)),
+        ("scale-down", ("pass", None)),
+        ("elastic-cycle", ("pass", None)),
+        ("abort", ("safety", "stale_peer")),
+    ],
+)
 def test_vllm_0_33_0_verdicts(released, scenario, verdict) -> None:
     r = run(scenario)
     assert (r.verdict, r.invariant) == verdict, r.detail
@@ -146,9 +154,13 @@ def test_vllm_0_33_0_same_trace_hash_under_any_hash_seed(released) -> None:
     """vLLM waits on a set of transfer handles: their iteration order must not depend on the interpreter."""
     hashes = set()
     for hashseed in ("0", "1", "12345"):
-        done = subprocess.run([sys.executable, "-m", "sim.cli", "run", "abort", "--strategy", "vllm", "--json"],
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONHASHSEED": hashseed})
+        done = subprocess.run(
+            [sys.executable, "-m", "sim.cli", "run", "abort", "--strategy", "vllm", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONHASHSEED": hashseed},
+        )
         hashes.add(json.loads(done.stdout)["trace_hash"])
     assert len(hashes) == 1, hashes
 
@@ -190,9 +202,12 @@ def test_a_branch_of_vllm_as_a_wheel(tmp_path, released, monkeypatch) -> None:
     assert (r.verdict, r.invariant) == ("safety", "expert_weights")
 
 
-@pytest.mark.parametrize("arg,message", [
-    ("vllm:/nonexistent/vllm", "no vllm/distributed/eplb/eplb_communicator.py under /nonexistent/vllm"),
-])
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("vllm:/nonexistent/vllm", "no vllm/distributed/eplb/eplb_communicator.py under /nonexistent/vllm"),
+    ],
+)
 def test_a_bad_vllm_source_is_one_line_exit_2(arg, message) -> None:
     done = epsim_here("run", "steady", "--strategy", arg)
     assert done.returncode == 2
@@ -200,16 +215,22 @@ def test_a_bad_vllm_source_is_one_line_exit_2(arg, message) -> None:
 
 
 def test_a_branch_that_does_not_import_is_one_line(tmp_path, released) -> None:
-    tree = _branch(tmp_path, released, lambda text: text.replace("import numpy as np\n",
-                                                                  "import numpy as np\nimport not_a_module\n"))
+    tree = _branch(
+        tmp_path,
+        released,
+        lambda text: text.replace("import numpy as np\n", "import numpy as np\nimport not_a_module\n"),
+    )
     done = epsim_here("run", "steady", "--strategy", f"vllm:{tree}")
     assert done.returncode == 2 and "does not load here: ModuleNotFoundError" in done.stderr
 
 
-@pytest.mark.parametrize("scenario, overrides", [("scale-up", {}), ("scale-down", {}), ("elastic-cycle", {}),
-                                                 ("scale-up", {"eplb.use_async": True})])
-def test_vllms_own_move_loop_moves_the_experts_and_epsims_model_of_it_calls_alike(released, monkeypatch, scenario,
-                                                                                    overrides) -> None:
+@pytest.mark.parametrize(
+    "scenario, overrides",
+    [("scale-up", {}), ("scale-down", {}), ("elastic-cycle", {}), ("scale-up", {"eplb.use_async": True})],
+)
+def test_vllms_own_move_loop_moves_the_experts_and_epsims_model_of_it_calls_alike(
+    released, monkeypatch, scenario, overrides
+) -> None:
     """vLLM's rebalance_execute (rearrange_expert_weights_inplace; transfer_layer and move_from_buffer under async
     EPLB) runs for vLLM's communicator; epsim's model of the loop, which the built-in strategies run, makes the same
     communicator calls in the same order and times: the two histories are one."""
@@ -223,7 +244,10 @@ def test_vllms_own_move_loop_moves_the_experts_and_epsims_model_of_it_calls_alik
     model = run_scenario(sc, strategy="vllm")
     assert "move_loop" not in model.metrics
     assert (model.verdict, model.trace_hash, model.metrics["transfers"]) == (
-        vllms.verdict, vllms.trace_hash, vllms.metrics["transfers"])
+        vllms.verdict,
+        vllms.trace_hash,
+        vllms.metrics["transfers"],
+    )
 
 
 def test_vllms_row_copies_go_onto_the_simulated_stream(released) -> None:
@@ -257,8 +281,9 @@ def test_peers_late_for_prepares_collective_are_liveness_however_wrapped(release
 
     sc = with_overrides(load("scale-up"), collective_timeout_s=1, **{"timeline.0.prepare_s": 3})
     ours, built_in = run_scenario(sc, strategy="vllm"), run_scenario(sc, strategy="per-communicator-agent")
-    assert (ours.verdict, ours.invariant) == (built_in.verdict, built_in.invariant) == ("liveness",
-                                                                                        "collective_timeout")
+    assert (
+        (ours.verdict, ours.invariant) == (built_in.verdict, built_in.invariant) == ("liveness", "collective_timeout")
+    )
     assert "NIXL EPLB init failed: agents" in ours.detail and ours.crash["chain"][-1]["type"] == "CollectiveTimeout"
 
 
@@ -269,8 +294,7 @@ def test_a_sweep_bundle_of_vllms_code_replays(tmp_path, released) -> None:
     from tests.conftest import epsim
 
     db, bundles = tmp_path / "r.db", tmp_path / "bundles"
-    done = epsim("sweep", "abort", "--seeds", "0:2", "--strategy", "vllm", "--db", str(db), "--bundles",
-                 str(bundles))
+    done = epsim("sweep", "abort", "--seeds", "0:2", "--strategy", "vllm", "--db", str(db), "--bundles", str(bundles))
     assert done.returncode in (0, 1), done.stderr[-2000:]
     found = sorted(p for p in bundles.iterdir() if p.is_dir())
     assert found, done.stdout

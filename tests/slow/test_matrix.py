@@ -7,9 +7,26 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import (GC_FAULTS, LATER, MATRIX_STRATEGIES, MODELLED_BY, PROFILES, SCENARIOS, STREAM_MODES,
-                        STREAM_SYNCED, lifecycle_differences, render, render_deep_ep, render_lifecycle,
-                        render_stream_lag, render_vllm, run_deep_ep, run_lifecycle, run_matrix, run_stream_lag)
+from sim.matrix import (
+    GC_FAULTS,
+    LATER,
+    MATRIX_STRATEGIES,
+    MODELLED_BY,
+    PROFILES,
+    SCENARIOS,
+    STREAM_MODES,
+    STREAM_SYNCED,
+    lifecycle_differences,
+    render,
+    render_deep_ep,
+    render_lifecycle,
+    render_stream_lag,
+    render_vllm,
+    run_deep_ep,
+    run_lifecycle,
+    run_matrix,
+    run_stream_lag,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 
@@ -20,8 +37,9 @@ def cells():
 
 
 def cell(cells, scenario, strategy, profile, fault=""):
-    return next(c.result for c in cells if (c.scenario, c.strategy, c.profile, c.fault) ==
-                (scenario, strategy, profile, fault))
+    return next(
+        c.result for c in cells if (c.scenario, c.strategy, c.profile, c.fault) == (scenario, strategy, profile, fault)
+    )
 
 
 def test_matrix_is_complete(cells) -> None:
@@ -33,8 +51,9 @@ def test_async_eplb_gives_every_cell_the_same_verdict(cells) -> None:
     group serves, the reshuffle after a scale-up too, with the async loop's collectives.  None of that moves a
     verdict in these scenarios (checked on 2026-12-02, when the async loop became vLLM's)."""
     async_cells = run_matrix(eplb_async=True)
-    assert [(c.scenario, c.strategy, c.profile, c.fault, c.short) for c in async_cells] == \
-        [(c.scenario, c.strategy, c.profile, c.fault, c.short) for c in cells]
+    assert [(c.scenario, c.strategy, c.profile, c.fault, c.short) for c in async_cells] == [
+        (c.scenario, c.strategy, c.profile, c.fault, c.short) for c in cells
+    ]
     assert any(c.result.trace_hash != s.result.trace_hash for c, s in zip(async_cells, cells))  # it ran async
 
 
@@ -69,8 +88,9 @@ def test_every_scenario_without_reconfiguration_or_failure_passes(cells) -> None
 
 
 def test_rank_failure_is_liveness_everywhere(cells) -> None:
-    assert {(c.result.verdict, c.result.invariant) for c in cells if c.scenario == "rank-failure"} == \
-        {("liveness", "stuck")}
+    assert {(c.result.verdict, c.result.invariant) for c in cells if c.scenario == "rank-failure"} == {
+        ("liveness", "stuck")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +101,11 @@ def deep_cells():
 def deep(cells, backend, nvshmem, column, lifecycle=LATER):
     """A DeepEP cell; by default under pr-53947, whose buffers are made on the first forward step on a group (the
     tests below read that order)."""
-    return next(c.result for c in cells if (c.backend, c.nvshmem, c.lifecycle) == (backend, nvshmem, lifecycle)
-                and c.column.startswith(column))
+    return next(
+        c.result
+        for c in cells
+        if (c.backend, c.nvshmem, c.lifecycle) == (backend, nvshmem, lifecycle) and c.column.startswith(column)
+    )
 
 
 def test_under_0_33_0_the_standby_buffer_meets_the_live_old_world_on_every_nvshmem_build(deep_cells) -> None:
@@ -185,14 +208,25 @@ def test_the_lifecycle_revisions_differ_only_where_0_33_0_collects_after_the_swa
     differ = lifecycle_differences(cells, later_cells)
     assert {(o.scenario, o.strategy, o.fault, o.short, t.short) for o, t in differ} == {
         (scenario, strategy, "gc.cycle", "pass", "safety: stale_peer")
-        for scenario in ("scale-down", "elastic-cycle") for strategy in ("per-communicator-agent", "vllm")}
+        for scenario in ("scale-down", "elastic-cycle")
+        for strategy in ("per-communicator-agent", "vllm")
+    }
     assert "not explained yet" not in render_lifecycle(cells, later_cells)
     assert {c.scenario for c in later_cells} == set(SCENARIOS) - {"abort"}
 
 
 def test_docs_results_is_current(cells, deep_cells, stream_cells, later_cells) -> None:
-    expected = render(cells) + "\n" + render_vllm(cells) + "\n" + render_lifecycle(cells, later_cells) + "\n" \
-        + render_deep_ep(deep_cells) + "\n" + render_stream_lag(stream_cells)
+    expected = (
+        render(cells)
+        + "\n"
+        + render_vllm(cells)
+        + "\n"
+        + render_lifecycle(cells, later_cells)
+        + "\n"
+        + render_deep_ep(deep_cells)
+        + "\n"
+        + render_stream_lag(stream_cells)
+    )
     assert DOC.read_text() == expected, "docs/results.md is stale: python -m sim.matrix > docs/results.md"
 
 

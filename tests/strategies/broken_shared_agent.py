@@ -23,6 +23,7 @@ class BrokenSharedAgentCommunicator(SharedAgentNixlCommunicator):
                 agent.deregister_memory(self._registered_descs)
 
 
-def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-           prev_communicator: Any = None) -> BrokenSharedAgentCommunicator:
+def create(
+    group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any], prev_communicator: Any = None
+) -> BrokenSharedAgentCommunicator:
     return BrokenSharedAgentCommunicator(group, expert_weights, expert_buffer, prev_communicator)

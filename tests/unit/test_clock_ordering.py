@@ -22,10 +22,29 @@ def read_then_destroy(gap_s: float) -> list:
         (1.05, DST, 1, "agent.create", {"conn": "c1", "agent": "eplb-1", "pid": DST}),
         (1.05, DST, 2, "register", {"conn": "c1", "agent": "eplb-1", "pid": DST, "ranges": [(8192, 64)]}),
         (1.1, DST, 3, "peer.load", {"conn": "c1", "agent": "eplb-1", "pid": DST, "peer": "eplb-0"}),
-        (2.0 - 1e-4, DST, 4, "xfer.post", {"conn": "c1", "agent": "eplb-1", "pid": DST, "peer": "eplb-0",
-                                          "op": "READ", "nbytes": 64}),
-        (2.0, DST, 5, "xfer.done", {"conn": "c1", "agent": "eplb-1", "pid": DST, "peer": "eplb-0", "op": "READ",
-                                    "local": [(8192, 64)], "remote": [(4096, 64)], "nbytes": 64}),
+        (
+            2.0 - 1e-4,
+            DST,
+            4,
+            "xfer.post",
+            {"conn": "c1", "agent": "eplb-1", "pid": DST, "peer": "eplb-0", "op": "READ", "nbytes": 64},
+        ),
+        (
+            2.0,
+            DST,
+            5,
+            "xfer.done",
+            {
+                "conn": "c1",
+                "agent": "eplb-1",
+                "pid": DST,
+                "peer": "eplb-0",
+                "op": "READ",
+                "local": [(8192, 64)],
+                "remote": [(4096, 64)],
+                "nbytes": 64,
+            },
+        ),
         (2.0 + gap_s, SRC, 3, "agent.destroy", {"conn": "c0", "agent": "eplb-0", "pid": SRC}),
     ]
     return ledger
@@ -33,8 +52,9 @@ def read_then_destroy(gap_s: float) -> list:
 
 def sensitivity(events, bounds, **kw):
     """The placements that change the verdict, each process on a clock of its own with the given bound."""
-    found = clock_sensitivity(events, 0.0, completed=False, stuck=[],
-                              clocks={src: (f"host{src}", b) for src, b in bounds.items()}, **kw)
+    found = clock_sensitivity(
+        events, 0.0, completed=False, stuck=[], clocks={src: (f"host{src}", b) for src, b in bounds.items()}, **kw
+    )
     return found.changed
 
 
@@ -61,8 +81,10 @@ def test_a_swap_inside_the_bound_is_found_where_both_ends_pass():
     bound.  At either end of the bound the READ lands before both or after both (pass); only a placement in between
     puts it in the gap."""
     events = read_then_destroy(5e-3)
-    events += [(2.0005, SRC, 4, "deregister", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]}),
-               (2.0015, SRC, 5, "register", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]})]
+    events += [
+        (2.0005, SRC, 4, "deregister", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]}),
+        (2.0015, SRC, 5, "register", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "ranges": [(4096, 64)]}),
+    ]
     events.sort(key=lambda e: e[0])
     assert judge(events, 0.0, completed=False, stuck=[])[1].verdict()[0] == "pass"
     found = clock_sensitivity(events, 0.0, completed=False, stuck=[], clocks={DST: ("elsewhere", 2e-3)})
@@ -73,17 +95,33 @@ def test_a_swap_inside_the_bound_is_found_where_both_ends_pass():
 def test_processes_of_one_host_shift_together():
     """Two readers on one other host: one clock, one placement for both, named together."""
     events = read_then_destroy(1e-3)
-    found = clock_sensitivity(events, 0.0, completed=False, stuck=[],
-                              clocks={DST: ("elsewhere", 2e-3), 7: ("elsewhere", 1e-3)})
+    found = clock_sensitivity(
+        events, 0.0, completed=False, stuck=[], clocks={DST: ("elsewhere", 2e-3), 7: ("elsewhere", 1e-3)}
+    )
     assert found.changed[0] == "pids 1,7 +2.000 ms: safety (unregistered_access)"
 
 
 def test_two_completed_transfers_are_not_a_swap_worth_judging():
     """Neither changes what the other checks: their order cannot change the verdict."""
     events = read_then_destroy(1.0)  # the destruction far away
-    events.append((2.0 + 1e-4, SRC, 9, "xfer.done", {"conn": "c0", "agent": "eplb-0", "pid": SRC, "peer": "eplb-1",
-                                                     "op": "READ", "local": [(4096, 64)], "remote": [(8192, 64)],
-                                                     "nbytes": 64}))
+    events.append(
+        (
+            2.0 + 1e-4,
+            SRC,
+            9,
+            "xfer.done",
+            {
+                "conn": "c0",
+                "agent": "eplb-0",
+                "pid": SRC,
+                "peer": "eplb-1",
+                "op": "READ",
+                "local": [(4096, 64)],
+                "remote": [(8192, 64)],
+                "nbytes": 64,
+            },
+        )
+    )
     found = clock_sensitivity(events, 0.0, completed=False, stuck=[], clocks={DST: ("elsewhere", 2e-3)})
     assert (found.changed, found.tried, found.placements) == ([], 0, 0)
 
@@ -107,7 +145,9 @@ def test_a_failing_verdict_that_a_placement_would_clear_is_reported_too():
     """Stamped the other way round (the destruction first), the READ is a finding; a placement within the bound
     that puts the READ first clears it: that verdict rests on the placement as much as a pass would."""
     assert judge(read_then_destroy(-1e-3), 0.0, completed=False, stuck=[])[1].verdict()[:2] == (
-        "safety", "unregistered_access")
+        "safety",
+        "unregistered_access",
+    )
     assert sensitivity(read_then_destroy(-1e-3), {DST: 2e-3}) == ["pid 1 -2.000 ms: pass", "pid 1 -1.000 ms: pass"]
 
 
@@ -115,8 +155,9 @@ def test_placements_beyond_the_cap_are_counted_not_judged(monkeypatch):
     import real_backends.ordering as ordering
 
     monkeypatch.setattr(ordering, "MAX_JUDGINGS", 1)
-    found = clock_sensitivity(read_then_destroy(1e-3), 0.0, completed=False, stuck=[],
-                              clocks={DST: ("elsewhere", 2e-3)})
+    found = clock_sensitivity(
+        read_then_destroy(1e-3), 0.0, completed=False, stuck=[], clocks={DST: ("elsewhere", 2e-3)}
+    )
     assert (found.tried, found.placements) == (1, 3)
 
 
@@ -131,11 +172,27 @@ def test_the_summary_names_the_bound_and_what_depends_on_it():
     assert "the verdict holds under each of 4 placements that reorder the events" in held
     capped = summary(_result({"clock_bound_s": 0.0015, "clock_sensitive": [], "clock_placements": [400, 900]}))
     assert "each of 400 placements (of 900: the rest not judged)" in capped
-    told = summary(_result({"clock_bound_s": 0.002, "clock_placements": [3, 3],
-                            "clock_sensitive": ["pid 1 +2.000 ms: safety (unregistered_access)"]}))
-    assert ("the verdict DEPENDS on that placement (1 of 3 placements change it): with pid 1 +2.000 ms: safety "
-            "(unregistered_access)") in told
-    many = summary(_result({"clock_bound_s": 30.0, "clock_placements": [5, 5],
-                            "clock_sensitive": [f"pid {p} +30000.000 ms: safety (x)" for p in range(5)]}))
+    told = summary(
+        _result(
+            {
+                "clock_bound_s": 0.002,
+                "clock_placements": [3, 3],
+                "clock_sensitive": ["pid 1 +2.000 ms: safety (unregistered_access)"],
+            }
+        )
+    )
+    assert (
+        "the verdict DEPENDS on that placement (1 of 3 placements change it): with pid 1 +2.000 ms: safety "
+        "(unregistered_access)"
+    ) in told
+    many = summary(
+        _result(
+            {
+                "clock_bound_s": 30.0,
+                "clock_placements": [5, 5],
+                "clock_sensitive": [f"pid {p} +30000.000 ms: safety (x)" for p in range(5)],
+            }
+        )
+    )
     assert many.endswith("with pid 2 +30000.000 ms: safety (x); and 2 more (metrics.clock_sensitive)")
     assert "slot 0's clock" not in summary(_result({}))

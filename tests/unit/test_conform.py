@@ -23,11 +23,19 @@ DYING = (sys.executable, "-m", "tests.unit.dying_probe")
 @pytest.fixture
 def dies(monkeypatch, tmp_path):
     """Arm the dying probe; returns the file that logs every case as it runs."""
+
     def arm(deaths: int, victim: str = VICTIM, how: str = "segv", where: str = "case"):
-        for key, value in {"DIE_IN": victim, "DEATHS": str(deaths), "DEATH_COUNT": str(tmp_path / "deaths"),
-                           "DIE_HOW": how, "DIE_WHERE": where, "RUN_LOG": str(tmp_path / "ran")}.items():
+        for key, value in {
+            "DIE_IN": victim,
+            "DEATHS": str(deaths),
+            "DEATH_COUNT": str(tmp_path / "deaths"),
+            "DIE_HOW": how,
+            "DIE_WHERE": where,
+            "RUN_LOG": str(tmp_path / "ran"),
+        }.items():
             monkeypatch.setenv(f"EPSIM_TEST_{key}", value)
         return tmp_path / "ran"
+
     return arm
 
 
@@ -36,8 +44,10 @@ def test_one_death_keeps_what_was_observed_and_reruns_only_that_case(dies):
     report = conform.run("fake", None, "dram", probe=DYING)
     assert [c["name"] for c in report["cases"]] == list(CASES)
     assert {c["outcome"] for c in report["cases"]} == {"pass"} and report["matched_profile"] == "dram"
-    assert report["notes"] == [f"{VICTIM}: the catalogue's process died in it (SIGSEGV); it runs again alone, and "
-                               "the cases after it in a fresh process"]
+    assert report["notes"] == [
+        f"{VICTIM}: the catalogue's process died in it (SIGSEGV); it runs again alone, and "
+        "the cases after it in a fresh process"
+    ]
     # the cases before the death were not run again: only the victim ran twice
     assert Counter(ran.read_text().split()) == {**{name: 1 for name in CASES}, VICTIM: 2}
 
@@ -58,8 +68,9 @@ def test_an_exit_without_a_signal_is_observed_by_its_status_and_quoted_in_the_no
     by_name = {c["name"]: c for c in report["cases"]}
     # the observation is the status alone (repeatable); the child's last words go in the note
     assert by_name[VICTIM]["observed"] == "exit 5"
-    assert report["notes"][1] == (f"{VICTIM}: its process died again in it, run alone (exit 5: [host:1234] boom); "
-                                  "that is its observation")
+    assert report["notes"][1] == (
+        f"{VICTIM}: its process died again in it, run alone (exit 5: [host:1234] boom); that is its observation"
+    )
 
 
 def test_a_fresh_process_that_dies_before_its_first_case_keeps_the_earlier_results(dies):
@@ -68,8 +79,9 @@ def test_a_fresh_process_that_dies_before_its_first_case_keeps_the_earlier_resul
     report = conform.run("fake", None, "dram", probe=DYING)
     by_name = {c["name"]: c for c in report["cases"]}
     assert by_name[VICTIM]["observed"] == "SIGSEGV" and len(by_name) == len(CASES)
-    assert report["notes"][1] == (f"{VICTIM}: its process died again before it started, run alone (SIGSEGV); "
-                                  "that is its observation")
+    assert report["notes"][1] == (
+        f"{VICTIM}: its process died again before it started, run alone (SIGSEGV); that is its observation"
+    )
     assert Counter(ran.read_text().split()) == {name: 1 for name in CASES}
 
 
@@ -99,8 +111,9 @@ def test_a_slow_start_is_not_a_hang_in_the_first_case(dies):
 
 def test_a_start_that_never_ends_is_killed_after_its_own_bound(dies):
     dies(1, victim=list(CASES)[0], how="hang", where="start")
-    with pytest.raises(BackendUnavailable, match="^the conformance run on fake NIXL produced no result: no answer "
-                                                 "within 2 s, killed$"):
+    with pytest.raises(
+        BackendUnavailable, match="^the conformance run on fake NIXL produced no result: no answer within 2 s, killed$"
+    ):
         conform.run("fake", None, "dram", probe=DYING, case_timeout_s=30, start_timeout_s=2)
 
 

@@ -23,15 +23,21 @@ def dev_test_options() -> list[str]:
 
 
 def test_a_crashed_worker_fails_its_test_and_the_run_ends(tmp_path) -> None:
-    (tmp_path / "test_crash.py").write_text("import os, signal\n\n"
-                                            "def test_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    (tmp_path / "test_crash.py").write_text(
+        "import os, signal\n\ndef test_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
     for name in ("a", "b"):
         (tmp_path / f"test_{name}.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
     options = dev_test_options()
     assert "--max-worker-restart=0" in options
     options[options.index("auto")] = "2"  # two workers on any machine: the hang needs a crash and another worker
-    done = subprocess.run([sys.executable, "-m", "pytest", *options, "-q", "-p", "no:cacheprovider", "-p",
-                           "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *options, "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stdout[-2000:]
     assert "crashed while running 'test_crash.py::test_segfaults'" in done.stdout
     assert "1 failed, 4 passed" in done.stdout

@@ -29,8 +29,10 @@ SHAPE = ModelShape(num_layers=2, num_logical_experts=4, num_local_experts=3)
 
 
 def weights_for(shape: ModelShape, placement: Placement | None, rank: int, tensors: int = 2):
-    w = [[torch.full((shape.num_local_experts, shape.hidden), -5.0) for _ in range(tensors)]
-         for _ in range(shape.num_layers)]
+    w = [
+        [torch.full((shape.num_local_experts, shape.hidden), -5.0) for _ in range(tensors)]
+        for _ in range(shape.num_layers)
+    ]
     if placement is not None:
         fill_weights(w, placement, rank)
     return w
@@ -45,10 +47,28 @@ def test_literal_plan_two_ranks() -> None:
 
     assert plan_sources(old, new, 0) == {(0, 2): 1, (1, 1): 0}
     r0, r1 = plan_layer(old, new, 0, 0), plan_layer(old, new, 0, 1)
-    assert r0 == LayerPlan(layer=0, rank=0, old_rows=[0, 1, 2], new_rows=[0, 1, 3], unchanged=[0, 1],
-                           local_copies=[], recvs=[(2, 1, 3)], recv_copies=[], sends=[(1, 2)])
-    assert r1 == LayerPlan(layer=0, rank=1, old_rows=[3, 0, 1], new_rows=[0, 2, 3], unchanged=[],
-                           local_copies=[(0, 1), (2, 0)], recvs=[(1, 0, 2)], recv_copies=[], sends=[(0, 3)])
+    assert r0 == LayerPlan(
+        layer=0,
+        rank=0,
+        old_rows=[0, 1, 2],
+        new_rows=[0, 1, 3],
+        unchanged=[0, 1],
+        local_copies=[],
+        recvs=[(2, 1, 3)],
+        recv_copies=[],
+        sends=[(1, 2)],
+    )
+    assert r1 == LayerPlan(
+        layer=0,
+        rank=1,
+        old_rows=[3, 0, 1],
+        new_rows=[0, 2, 3],
+        unchanged=[],
+        local_copies=[(0, 1), (2, 0)],
+        recvs=[(1, 0, 2)],
+        recv_copies=[],
+        sends=[(0, 3)],
+    )
     assert r0.send_row(2) == 2 and r1.send_row(3) == 0 and r0.send_row(3) == -1
 
     # layer 1: rank 0 keeps everything, rank 1 permutes its rows locally: [3 0 1] -> [0 1 3]
@@ -145,9 +165,16 @@ def test_a_layers_local_copies_are_issued_before_its_transfer_context_as_vllm_do
         def execute(self) -> None:
             seen.append("execute")
 
-    transfer_layer(Comm(), 0, layer_indices(old, new, 0)[0], weights[0], buffer, plan,
-                   lambda tensors, row: [t[row] for t in tensors],
-                   Stream())
+    transfer_layer(
+        Comm(),
+        0,
+        layer_indices(old, new, 0)[0],
+        weights[0],
+        buffer,
+        plan,
+        lambda tensors, row: [t[row] for t in tensors],
+        Stream(),
+    )
     assert seen[:2] == ["stage layer 0", "set_transfer_context"] and seen[-1] == "execute"
 
 
@@ -239,15 +266,22 @@ def moves(draw):
     def random_placement(ep_size: int) -> Placement:
         rows = []
         for _ in range(num_layers):
-            extra = draw(st.lists(st.integers(0, num_logical - 1), min_size=shape.num_redundant(ep_size),
-                                  max_size=shape.num_redundant(ep_size)))
+            extra = draw(
+                st.lists(
+                    st.integers(0, num_logical - 1),
+                    min_size=shape.num_redundant(ep_size),
+                    max_size=shape.num_redundant(ep_size),
+                )
+            )
             rows.append(draw(st.permutations(list(range(num_logical)) + extra)))
         return Placement(rows, ep_size, num_logical)
 
     old = random_placement(old_ep)
     if draw(st.booleans(), label="policy"):
-        load = np.array(draw(st.lists(st.integers(0, 100), min_size=num_layers * num_logical,
-                                      max_size=num_layers * num_logical)), dtype=np.int64)
+        load = np.array(
+            draw(st.lists(st.integers(0, 100), min_size=num_layers * num_logical, max_size=num_layers * num_logical)),
+            dtype=np.int64,
+        )
         new = rebalance(load.reshape(num_layers, num_logical), shape, new_ep)
     else:
         new = random_placement(new_ep)
@@ -280,7 +314,7 @@ def test_senders_and_receivers_agree(case) -> None:
             assert src != c and logical in plans[src].old_rows and logical not in plans[c].old_rows
             assert new_idx[c * n + row] == logical
         for c, p in enumerate(plans):
-            assert p.old_rows == old_idx[c * n:(c + 1) * n].tolist()
+            assert p.old_rows == old_idx[c * n : (c + 1) * n].tolist()
             if space.to_new[c] < 0:  # leaving: receives nothing
                 assert not (p.recvs or p.local_copies or p.recv_copies)
             if space.to_old[c] < 0:  # joining: sends nothing
@@ -295,8 +329,9 @@ def test_senders_and_receivers_agree(case) -> None:
 def test_whole_move_leaves_the_new_weights(case) -> None:
     shape, old, new, mapping = case
     space = rank_space(old, new, mapping)
-    weights = [weights_for(shape, old if space.to_old[c] >= 0 else None, max(space.to_old[c], 0))
-               for c in range(space.size)]
+    weights = [
+        weights_for(shape, old if space.to_old[c] >= 0 else None, max(space.to_old[c], 0)) for c in range(space.size)
+    ]
     expected_leaving = [[[t.clone() for t in layer] for layer in w] for w in weights]
     reference = [[[t.clone() for t in layer] for layer in w] for w in weights]
 
@@ -319,5 +354,4 @@ def test_whole_move_leaves_the_new_weights(case) -> None:
             assert check_weights(weights[c], new, space.to_new[c]) == []
             assert check_weights(reference[c], new, space.to_new[c]) == []
         else:  # a leaving rank's weights are untouched
-            assert all(torch.equal(a, b) for la, lb in zip(weights[c], expected_leaving[c])
-                       for a, b in zip(la, lb))
+            assert all(torch.equal(a, b) for la, lb in zip(weights[c], expected_leaving[c]) for a, b in zip(la, lb))

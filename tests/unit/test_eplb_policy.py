@@ -12,8 +12,15 @@ from hypothesis import strategies as st
 from collections import Counter
 
 from sim.eplb import move
-from sim.eplb.policy import (balanced_packing, balancedness, node_layout, preserve_slots, rank_loads, rebalance,
-                             replicate)
+from sim.eplb.policy import (
+    balanced_packing,
+    balancedness,
+    node_layout,
+    preserve_slots,
+    rank_loads,
+    rebalance,
+    replicate,
+)
 from sim.eplb.state import EplbError
 from sim.eplb.state import ModelShape, Placement
 
@@ -86,11 +93,14 @@ def test_one_rank_holds_everything() -> None:
     assert p.to_list() == [[1, 1, 1, 2, 0]]  # heaviest per replica first
 
 
-@pytest.mark.parametrize("load, message", [
-    (np.zeros((2, 3)), "shape"),
-    (np.array([[1, 2, 3, -4]] * 2), "negative"),
-    (np.array([[1, 2, 3, np.inf]] * 2), "finite"),
-])
+@pytest.mark.parametrize(
+    "load, message",
+    [
+        (np.zeros((2, 3)), "shape"),
+        (np.array([[1, 2, 3, -4]] * 2), "negative"),
+        (np.array([[1, 2, 3, np.inf]] * 2), "finite"),
+    ],
+)
 def test_bad_load(load, message) -> None:
     with pytest.raises(ValueError, match=message):
         rebalance(load, SHAPE, 2)
@@ -113,8 +123,16 @@ def cases(draw):
     min_ep = -(-num_logical // num_local)
     ep_size = draw(st.integers(min_ep, min_ep + 3))
     shape = ModelShape(num_layers, num_logical, num_local)
-    load = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=num_logical, max_size=num_logical),
-                                  min_size=num_layers, max_size=num_layers)), dtype=np.int64)
+    load = np.array(
+        draw(
+            st.lists(
+                st.lists(st.integers(0, 1000), min_size=num_logical, max_size=num_logical),
+                min_size=num_layers,
+                max_size=num_layers,
+            )
+        ),
+        dtype=np.int64,
+    )
     return shape, ep_size, load
 
 
@@ -164,7 +182,7 @@ def test_hierarchical_keeps_groups_on_their_node(case) -> None:
     assert all(len(nodes) == 1 for nodes in node_of.values()), node_of
     assert len(node_of) == shape.num_expert_groups  # every group (so every expert's group) is placed
     for node in range(num_nodes):
-        held = rows[node * per_node:(node + 1) * per_node]
+        held = rows[node * per_node : (node + 1) * per_node]
         experts = sorted(set(held))
         assert len(experts) == shape.num_logical_experts // num_nodes  # whole groups, equal shares
         counts = {e: held.count(e) for e in experts}
@@ -232,9 +250,16 @@ def _kept(old_rows, new_rows) -> int:
 def preserve_cases(draw):
     shape, ep_size, load = draw(cases())
     old_ep = draw(st.integers(-(-shape.num_logical_experts // shape.num_local_experts), ep_size + 2))
-    old_load = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=shape.num_logical_experts,
-                                               max_size=shape.num_logical_experts),
-                                      min_size=shape.num_layers, max_size=shape.num_layers)), dtype=np.int64)
+    old_load = np.array(
+        draw(
+            st.lists(
+                st.lists(st.integers(0, 1000), min_size=shape.num_logical_experts, max_size=shape.num_logical_experts),
+                min_size=shape.num_layers,
+                max_size=shape.num_layers,
+            )
+        ),
+        dtype=np.int64,
+    )
     return shape, ep_size, load, rebalance(old_load, shape, old_ep)
 
 
@@ -260,8 +285,10 @@ def test_kept_experts_keep_their_slots(case) -> None:
     if previous.ep_size == ep_size:
         for layer in range(shape.num_layers):
             for plan in move.plan_all(previous, p, layer):
-                assert all(plan.old_rows.count(plan.new_rows[dst]) < plan.new_rows.count(plan.new_rows[dst])
-                           for dst, _ in plan.local_copies)
+                assert all(
+                    plan.old_rows.count(plan.new_rows[dst]) < plan.new_rows.count(plan.new_rows[dst])
+                    for dst, _ in plan.local_copies
+                )
 
 
 def test_previous_placement_with_other_slots_per_rank_is_refused() -> None:

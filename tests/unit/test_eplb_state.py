@@ -24,8 +24,9 @@ SHAPE = ModelShape(num_layers=2, num_logical_experts=4, num_local_experts=3)
 
 
 def zero_weights(shape: ModelShape, tensors: int = 2) -> list[list[torch.Tensor]]:
-    return [[torch.zeros(shape.num_local_experts, shape.hidden) for _ in range(tensors)]
-            for _ in range(shape.num_layers)]
+    return [
+        [torch.zeros(shape.num_local_experts, shape.hidden) for _ in range(tensors)] for _ in range(shape.num_layers)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------ ModelShape
@@ -38,14 +39,17 @@ def test_model_shape_physical_counts() -> None:
     SHAPE.validate(2)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(num_layers=0, num_logical_experts=4, num_local_experts=3), "num_layers"),
-    (dict(num_layers=1, num_logical_experts=0, num_local_experts=3), "num_logical_experts"),
-    (dict(num_layers=1, num_logical_experts=4, num_local_experts=0), "num_local_experts"),
-    (dict(num_layers=1, num_logical_experts=4, num_local_experts=3, hidden=0), "hidden"),
-    (dict(num_layers=True, num_logical_experts=4, num_local_experts=3), "num_layers"),
-    (dict(num_layers=1.0, num_logical_experts=4, num_local_experts=3), "num_layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_layers=0, num_logical_experts=4, num_local_experts=3), "num_layers"),
+        (dict(num_layers=1, num_logical_experts=0, num_local_experts=3), "num_logical_experts"),
+        (dict(num_layers=1, num_logical_experts=4, num_local_experts=0), "num_local_experts"),
+        (dict(num_layers=1, num_logical_experts=4, num_local_experts=3, hidden=0), "hidden"),
+        (dict(num_layers=True, num_logical_experts=4, num_local_experts=3), "num_layers"),
+        (dict(num_layers=1.0, num_logical_experts=4, num_local_experts=3), "num_layers"),
+    ],
+)
 def test_model_shape_rejects_bad_fields(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field) as info:
         ModelShape(**kwargs)
@@ -115,22 +119,27 @@ def test_placement_digest_follows_every_slot() -> None:
     assert a.digest() == Placement.from_list(a.to_list(), 2, 4).digest()
     assert len(a.digest()) == 16 and int(a.digest(), 16) >= 0
     # a reorder within rank 0 of layer 1 moves no bytes between ranks; the digest still changes
-    others = [Placement.from_list([[0, 1, 2, 3], [2, 3, 1, 0]], 2, 4),
-              Placement.from_list([[0, 1, 2, 3], [3, 2, 1, 0]], 4, 4),  # the same slots over four ranks
-              Placement.from_list([[0, 1, 3, 2], [3, 2, 1, 0]], 2, 4)]
+    others = [
+        Placement.from_list([[0, 1, 2, 3], [2, 3, 1, 0]], 2, 4),
+        Placement.from_list([[0, 1, 2, 3], [3, 2, 1, 0]], 4, 4),  # the same slots over four ranks
+        Placement.from_list([[0, 1, 3, 2], [3, 2, 1, 0]], 2, 4),
+    ]
     assert len({a.digest(), *(o.digest() for o in others)}) == 4
 
 
-@pytest.mark.parametrize("p2l, ep_size, num_logical, message", [
-    ([[0, 1, 2]], 2, None, "not a multiple of ep_size=2"),
-    ([0, 1], 1, None, "shape"),
-    ([[0, 1, 1, 3]], 2, None, r"no slot for logical experts \[2\]"),
-    ([[0, 1, 2, 4]], 2, 4, "outside 0..3"),
-    ([[0, -1, 2, 3]], 2, None, "outside"),
-    ([[0, 1, 2, 3]], 0, None, "ep_size"),
-    ([[0.0, 1.5, 2.0, 3.0]], 2, None, "integer logical ids"),
-    ([[]], 1, None, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "p2l, ep_size, num_logical, message",
+    [
+        ([[0, 1, 2]], 2, None, "not a multiple of ep_size=2"),
+        ([0, 1], 1, None, "shape"),
+        ([[0, 1, 1, 3]], 2, None, r"no slot for logical experts \[2\]"),
+        ([[0, 1, 2, 4]], 2, 4, "outside 0..3"),
+        ([[0, -1, 2, 3]], 2, None, "outside"),
+        ([[0, 1, 2, 3]], 0, None, "ep_size"),
+        ([[0.0, 1.5, 2.0, 3.0]], 2, None, "integer logical ids"),
+        ([[]], 1, None, "non-empty"),
+    ],
+)
 def test_placement_rejects_bad_maps(p2l, ep_size, num_logical, message) -> None:
     with pytest.raises(ValueError, match=message):
         Placement(p2l, ep_size, num_logical)
@@ -178,12 +187,15 @@ def test_resize_scale_down_losing_an_expert_is_an_error() -> None:
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("mapping, message", [
-    ({0: 0, 1: 0}, "both to new rank 0"),
-    ({0: 5}, "not a rank of the new ep_size"),
-    ({7: 0}, "old rank 7"),
-    ({0: -2}, ">= -1"),
-])
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({0: 0, 1: 0}, "both to new rank 0"),
+        ({0: 5}, "not a rank of the new ep_size"),
+        ({7: 0}, "old rank 7"),
+        ({0: -2}, ">= -1"),
+    ],
+)
 def test_rank_mapping_errors(mapping, message) -> None:
     with pytest.raises(ValueError, match=message):
         normalize_rank_mapping(mapping, 2, 3)
@@ -205,8 +217,13 @@ def placements(draw, max_layers=2, max_logical=6, max_local=4, max_ep=4):
     shape = ModelShape(num_layers, num_logical, num_local)
     rows = []
     for _ in range(num_layers):
-        extra = draw(st.lists(st.integers(0, num_logical - 1), min_size=shape.num_redundant(ep_size),
-                              max_size=shape.num_redundant(ep_size)))
+        extra = draw(
+            st.lists(
+                st.integers(0, num_logical - 1),
+                min_size=shape.num_redundant(ep_size),
+                max_size=shape.num_redundant(ep_size),
+            )
+        )
         rows.append(draw(st.permutations(list(range(num_logical)) + extra)))
     return shape, Placement(rows, ep_size, num_logical)
 
@@ -223,8 +240,10 @@ def test_resize_keeps_survivors_and_every_expert(case, data) -> None:
     for old, new in zip(olds[:keep], targets[:keep]):
         mapping[old] = new
     survivors = [r for r in range(p.ep_size) if mapping[r] >= 0]
-    lost = any(set(range(shape.num_logical_experts)) - {e for r in survivors for e in p.local(r, layer)}
-               for layer in range(p.num_layers))
+    lost = any(
+        set(range(shape.num_logical_experts)) - {e for r in survivors for e in p.local(r, layer)}
+        for layer in range(p.num_layers)
+    )
     if lost:
         with pytest.raises(EplbError, match="loses logical experts"):
             p.resized(new_ep, mapping)
@@ -255,12 +274,15 @@ def test_load_window_ring() -> None:
     assert w.total().dtype == np.int64
 
 
-@pytest.mark.parametrize("loads, message", [
-    (np.zeros((2, 2)), "shape"),
-    (np.array([[1, -1]]), "negative"),
-    (np.array([[0.5, 1.0]]), "whole token counts"),
-    (np.array([["a", "b"]]), "numeric"),
-])
+@pytest.mark.parametrize(
+    "loads, message",
+    [
+        (np.zeros((2, 2)), "shape"),
+        (np.array([[1, -1]]), "negative"),
+        (np.array([[0.5, 1.0]]), "whole token counts"),
+        (np.array([["a", "b"]]), "numeric"),
+    ],
+)
 def test_load_window_rejects_bad_loads(loads, message) -> None:
     with pytest.raises(ValueError, match=message):
         LoadWindow(1, 2, 3).record(loads)
@@ -298,7 +320,8 @@ def test_check_weights_names_what_was_found() -> None:
     fill_weights(weights, p, 0)
     weights[1][0][0].fill_(signature(1, 2))
     assert check_weights(weights, p, 0) == [
-        "rank 0 layer 1 tensor 0 row 0: expected logical 0 (1000), found 1002 (logical 2 of layer 1)"]
+        "rank 0 layer 1 tensor 0 row 0: expected logical 0 (1000), found 1002 (logical 2 of layer 1)"
+    ]
 
 
 def test_weight_shape_errors() -> None:

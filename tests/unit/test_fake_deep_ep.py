@@ -45,8 +45,13 @@ def test_high_throughput_dispatch_combine_equals_thereference(n: int) -> None:
         buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-            xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idxs[r], topk_weights=ws[r])
+            xs[r],
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idxs[r],
+            topk_weights=ws[r],
+        )
         per = experts // n
         assert counts == [int((recv_idx == e).sum()) for e in range(per)]
         combined, _, _ = buf.combine(local_experts(recv_x, recv_idx, recv_w, r, per), handle)
@@ -74,8 +79,9 @@ def test_low_latency_dispatch_combine_equals_thereference(n: int) -> None:
     def body(g):
         r = g.rank()
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, HIDDEN, n, experts)
-        buf = deep_ep.Buffer(g, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=experts // n,
-                             explicitly_destroy=True)
+        buf = deep_ep.Buffer(
+            g, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=experts // n, explicitly_destroy=True
+        )
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens, experts, use_fp8=False)
         per = experts // n
         assert recv_x.shape == (per, n * max_tokens, HIDDEN)
@@ -121,8 +127,9 @@ def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 8)
         started = kernel.now()
         try:
-            buf.dispatch(xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
-                         topk_weights=ws[r])
+            buf.dispatch(
+                xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r]
+            )
         except deep_ep.DeepEPTimeout as exc:
             return exc, kernel.now() - started
 
@@ -178,8 +185,9 @@ def test_misuse_raises_what_deep_ep_raises() -> None:
         with pytest.raises(AttributeError):
             strict.destroy()
         with pytest.raises(RuntimeError, match="low_latency_mode"):
-            buf.low_latency_dispatch(torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
-                                     torch.zeros(1, 1, dtype=torch.int64), 1, 2)
+            buf.low_latency_dispatch(
+                torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64), 1, 2
+            )
         with pytest.raises(AssertionError):
             deep_ep.Buffer.set_num_sms(3)
         return "ok"
@@ -220,8 +228,9 @@ def test_nvshmem_reinit_at_a_new_ep_size(profile: str, outcome: str) -> None:
         if g.rank() >= 2:
             return "left"
         try:
-            small = deep_ep.Buffer(groups2[g.rank()], num_rdma_bytes=1 << 20, low_latency_mode=True,
-                                   explicitly_destroy=True)
+            small = deep_ep.Buffer(
+                groups2[g.rank()], num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True
+            )
         except deep_ep.DeepEPTimeout as exc:
             return "hang: " + str(exc)
         except deep_ep.NvshmemError as exc:
@@ -284,8 +293,9 @@ def test_the_fake_deep_ep_fixture_gives_ranks_and_the_import(fake_deep_ep) -> No
 
 
 def _ll_buffer(g, ht: bool = False):
-    return deep_ep.Buffer(g, num_nvl_bytes=(1 << 20) if ht else 0, num_rdma_bytes=1 << 20, low_latency_mode=True,
-                          explicitly_destroy=True)
+    return deep_ep.Buffer(
+        g, num_nvl_bytes=(1 << 20) if ht else 0, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True
+    )
 
 
 def test_low_latency_after_high_throughput_needs_a_clean() -> None:
@@ -295,8 +305,9 @@ def test_low_latency_after_high_throughput_needs_a_clean() -> None:
         r = g.rank()
         buf = _ll_buffer(g, ht=True)
         _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 4)
-        buf.dispatch(xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
-                     topk_weights=ws[r])
+        buf.dispatch(
+            xs[r], is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r]
+        )
         if clean:
             buf.clean_low_latency_buffer(4, HIDDEN, 4)
         try:
@@ -343,7 +354,7 @@ def test_a_low_latency_handle_outlives_two_more_dispatches() -> None:
         buf.low_latency_dispatch(xs[r], idxs[r], 4, 4, use_fp8=False)
         y = torch.zeros_like(recv_x)
         for le in range(2):
-            y[le, :int(count[le])] = expert(r * 2 + le, recv_x[le, :int(count[le])].float()).to(y.dtype)
+            y[le, : int(count[le])] = expert(r * 2 + le, recv_x[le, : int(count[le])].float()).to(y.dtype)
         combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], handle)
         _assert_close(combined, reference(xs[r].float(), idxs[r], ws[r]))
         return "ok"
@@ -351,11 +362,14 @@ def test_a_low_latency_handle_outlives_two_more_dispatches() -> None:
     assert SimulatedRanks(2).run(body) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("size, kwargs, cond", [
-    (2, {"num_nvl_bytes": 1000}, "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
-    (2, {"num_rdma_bytes": 1 << 20}, "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode"),
-    (12, {"num_nvl_bytes": 1 << 20}, "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0"),
-])
+@pytest.mark.parametrize(
+    "size, kwargs, cond",
+    [
+        (2, {"num_nvl_bytes": 1000}, "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0"),
+        (2, {"num_rdma_bytes": 1 << 20}, "num_rdma_bytes == 0 or num_ranks > NUM_MAX_NVL_PEERS or low_latency_mode"),
+        (12, {"num_nvl_bytes": 1 << 20}, "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0"),
+    ],
+)
 def test_the_constructor_checks_what_deep_ep_asserts_before_any_exchange(size, kwargs, cond) -> None:
     def body(g):
         with pytest.raises(RuntimeError, match=re.escape(cond)):
@@ -398,10 +412,23 @@ def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_c
         buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 6)
         with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 3"):
-            buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                         num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r])
-        buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                     topk_idx=idxs[r], topk_weights=ws[r], config=object())  # a config of the caller's: no check
+            buf.dispatch(
+                xs[r],
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=idxs[r],
+                topk_weights=ws[r],
+            )
+        buf.dispatch(
+            xs[r],
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idxs[r],
+            topk_weights=ws[r],
+            config=object(),
+        )  # a config of the caller's: no check
         buf.destroy()
         return "ok"
 
@@ -437,10 +464,12 @@ def test_with_return_recv_hook_the_tokens_land_only_when_the_hook_runs() -> None
     def body(g):
         r = g.rank()
         buf = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
-        plain_x, plain_count, plain_handle, _, no_hook = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens,
-                                                                                  experts, use_fp8=False)
-        recv_x, count, handle, _, hook = buf.low_latency_dispatch(xs[r], idxs[r], max_tokens, experts,
-                                                                  use_fp8=False, return_recv_hook=True)
+        plain_x, plain_count, plain_handle, _, no_hook = buf.low_latency_dispatch(
+            xs[r], idxs[r], max_tokens, experts, use_fp8=False
+        )
+        recv_x, count, handle, _, hook = buf.low_latency_dispatch(
+            xs[r], idxs[r], max_tokens, experts, use_fp8=False, return_recv_hook=True
+        )
         before = (bool(recv_x.isnan().all()), int(count.sum()))
         hook()
         torch.testing.assert_close(recv_x, plain_x, equal_nan=True)
@@ -492,11 +521,13 @@ def test_the_destructor_of_a_buffer_whose_exchange_failed_is_an_illegal_address(
         if g.rank() == 1:
             return None  # never joins the exchange: rank 0's constructor fails at its first collective
         import sys
+
         hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
         try:
             with pytest.raises(Exception):  # noqa: B017 - whatever the failed exchange raises; the destructor is tested
                 deep_ep.Buffer(g, num_nvl_bytes=1 << 20)
             import gc
+
             gc.collect()
         finally:
             sys.unraisablehook = hook
@@ -505,4 +536,5 @@ def test_the_destructor_of_a_buffer_whose_exchange_failed_is_an_illegal_address(
     ranks.run(body)
     assert [str(u.exc_value) for u in unraisable] == [
         "CUDA error: an illegal memory access was encountered (the destructor's barrier of a buffer whose "
-        "constructor failed before the IPC handles were opened)"]
+        "constructor failed before the IPC handles were opened)"
+    ]

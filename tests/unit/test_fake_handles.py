@@ -37,8 +37,9 @@ print(json.dumps([[h._handle for h in set(xfers)], [d._handle for d in set(dlist
 
 def _set_order(seed: str, pad: int) -> list[list[int]]:
     env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(pad)], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(pad)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

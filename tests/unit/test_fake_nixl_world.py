@@ -30,7 +30,7 @@ def _nixl_modules() -> dict[str, object]:
 
 def _sections(md: bytes) -> list[list[int]]:
     assert md.startswith(MD_TAG)
-    return json.loads(md[len(MD_TAG):])["sections"]
+    return json.loads(md[len(MD_TAG) :])["sections"]
 
 
 class Pair:
@@ -53,8 +53,7 @@ class Pair:
         self.a.add_remote_agent(self.b.get_agent_metadata())
 
     def read(self, notif: bytes = b""):
-        return self.b.initialize_xfer("READ", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A",
-                                      notif)
+        return self.b.initialize_xfer("READ", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A", notif)
 
     def read_to_done(self) -> str:
         h = self.read()
@@ -283,8 +282,11 @@ def test_listener_channels_see_the_same_transfer():
     every, lifecycle, raw = [], [], []
     f.listeners.append(lambda kind, fields: every.append((kind, dict(fields))))
     f.event_listeners.append(lambda kind, fields: lifecycle.append(kind))
-    f.xfer_listeners.append(lambda kind, core, req, target: raw.append(
-        (kind, core.name, core.pid, core.conn, req.peer, target, req.op, req.nbytes, req.spans)))
+    f.xfer_listeners.append(
+        lambda kind, core, req, target: raw.append(
+            (kind, core.name, core.pid, core.conn, req.peer, target, req.op, req.nbytes, req.spans)
+        )
+    )
     w = Pair(f)
     assert w.read_to_done() == "DONE"
     assert [k for k, _ in every if not k.startswith("xfer.")] == lifecycle
@@ -292,8 +294,15 @@ def test_listener_channels_see_the_same_transfer():
     xfers = [(k, f) for k, f in every if k.startswith("xfer.")]
     assert [k for k, _ in xfers] == [r[0] for r in raw] == ["xfer.post", "xfer.done"]
     for (_, fields), (_, agent, pid, conn, peer, target, op, nbytes, (local, remote)) in zip(xfers, raw):
-        assert (fields["agent"], fields["pid"], fields["conn"], fields["peer"], fields["target"], fields["op"],
-                fields["nbytes"]) == (agent, pid, conn, peer, target, op, nbytes)
+        assert (
+            fields["agent"],
+            fields["pid"],
+            fields["conn"],
+            fields["peer"],
+            fields["target"],
+            fields["op"],
+            fields["nbytes"],
+        ) == (agent, pid, conn, peer, target, op, nbytes)
         assert fields["local"] == list(local) == [(w.u.data_ptr(), N)]
         assert fields["remote"] == list(remote) == [(w.t.data_ptr(), N)]
         assert target == w.a.agent.conn and conn == w.b.agent.conn

@@ -26,7 +26,11 @@ def test_threads_sleep_in_simulated_time_and_history_is_literal() -> None:
     assert log == [(1.0, "a"), (2.5, "b"), (3.0, "a")]
     assert (a.state, a.result, b.result) == ("done", "a", "b")
     assert [(t, kind) for t, kind, _ in k.history.records] == [
-        (0.0, "thread.start"), (0.0, "thread.start"), (2.5, "thread.end"), (3.0, "thread.end")]
+        (0.0, "thread.start"),
+        (0.0, "thread.start"),
+        (2.5, "thread.end"),
+        (3.0, "thread.end"),
+    ]
 
 
 def _interleaving(seed: int) -> list[str]:
@@ -70,11 +74,13 @@ def test_trace_hash_depends_on_values_not_on_shared_objects() -> None:
     base = hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 3}))
     copied = "".join(name)  # equal, another object
     assert base == hashed((0.5, "a", {"agent": "agent-7", "spans": [(1, 2)]}), (1.0, "b", {"agent": copied, "n": 3}))
-    changed = [hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 4})),
-               hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.5, "b", {"agent": name, "n": 3})),
-               hashed((0.5, "a", {"spans": [(1, 2)], "agent": name}), (1.0, "b", {"agent": name, "n": 3})),
-               hashed((1.0, "b", {"agent": name, "n": 3}), (0.5, "a", {"agent": name, "spans": [(1, 2)]})),
-               hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 3.0}))]
+    changed = [
+        hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 4})),
+        hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.5, "b", {"agent": name, "n": 3})),
+        hashed((0.5, "a", {"spans": [(1, 2)], "agent": name}), (1.0, "b", {"agent": name, "n": 3})),
+        hashed((1.0, "b", {"agent": name, "n": 3}), (0.5, "a", {"agent": name, "spans": [(1, 2)]})),
+        hashed((0.5, "a", {"agent": name, "spans": [(1, 2)]}), (1.0, "b", {"agent": name, "n": 3.0})),
+    ]
     assert len({base, *changed}) == 6  # a value, a time, field order, record order, a type: each counts
 
 
@@ -182,7 +188,8 @@ def test_a_thread_that_kills_its_own_process_runs_no_further_line() -> None:
     assert ran == ["bystander"] and (me.state, sib.state) == ("killed", "killed")
     assert k.now() == 5.0  # the sibling's pending timer still fires, and runs nothing
     assert [f for _, kind, f in k.history.records if kind == "process.kill"] == [
-        {"pid": 4, "threads": ["suicidal", "sibling"]}]
+        {"pid": 4, "threads": ["suicidal", "sibling"]}
+    ]
 
 
 def test_a_run_that_ends_before_its_until_does_not_halt_a_later_run() -> None:

@@ -64,8 +64,9 @@ def ledger(monkeypatch):
     return events
 
 
-@pytest.mark.parametrize("call", ["deregister_memory", "remove_remote_agent", "release_xfer_handle",
-                                  "get_agent_metadata"])
+@pytest.mark.parametrize(
+    "call", ["deregister_memory", "remove_remote_agent", "release_xfer_handle", "get_agent_metadata"]
+)
 def test_any_call_from_another_thread_while_a_read_is_open_is_a_race(ledger, call) -> None:
     agent = LedgerAgent("x")
     descs = _Descs([(0x1000, 64)])
@@ -74,8 +75,12 @@ def test_any_call_from_another_thread_while_a_read_is_open_is_a_race(ledger, cal
     posted = threading.Thread(target=lambda: agent.transfer(handle), name="eplb-async@0")
     posted.start()
     posted.join()
-    args = {"deregister_memory": (descs,), "remove_remote_agent": ("peer",), "release_xfer_handle": (handle,),
-            "get_agent_metadata": ()}[call]
+    args = {
+        "deregister_memory": (descs,),
+        "remove_remote_agent": ("peer",),
+        "release_xfer_handle": (handle,),
+        "get_agent_metadata": (),
+    }[call]
     late = threading.Thread(target=lambda: getattr(agent, call)(*args), name="gc-late@0")
     late.start()
     late.join()

@@ -51,13 +51,11 @@ class World:
 
     def read(self, notif: bytes = b""):
         """B READs A's buffer into its own."""
-        return self.b.initialize_xfer("READ", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A",
-                                      notif)
+        return self.b.initialize_xfer("READ", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A", notif)
 
     def write(self, notif: bytes = b""):
         """B WRITEs its (zeroed) buffer over A's."""
-        return self.b.initialize_xfer("WRITE", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A",
-                                      notif)
+        return self.b.initialize_xfer("WRITE", self.b.get_xfer_descs(self.u), self.b.get_xfer_descs(self.t), "A", notif)
 
     def moved(self) -> bool:
         return bool((self.u == self.t).all())
@@ -132,9 +130,14 @@ def test_a_fault_armed_for_one_process_trips_only_that_process_s_agents():
 
 
 # -- register.fail -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("error, exc", [(None, _bindings.nixlBackendError),
-                                        ("NOT_ALLOWED", _bindings.nixlNotAllowedError),
-                                        ("NOT_FOUND", _bindings.nixlNotFoundError)])
+@pytest.mark.parametrize(
+    "error, exc",
+    [
+        (None, _bindings.nixlBackendError),
+        ("NOT_ALLOWED", _bindings.nixlNotAllowedError),
+        ("NOT_FOUND", _bindings.nixlNotFoundError),
+    ],
+)
 def test_register_fail_raises_configured_error_and_registers_nothing(error, exc):
     f = FakeFabric()
     with use_fabric(f):
@@ -211,9 +214,14 @@ def test_xfer_stuck_filter_by_peer_leaves_other_peers_alone():
 
 # -- xfer.fail_after -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("polls", [1, 3, 7])
-@pytest.mark.parametrize("error, exc", [(None, _bindings.nixlRemoteDisconnectError),
-                                        ("CANCELED", _bindings.nixlCancelledError),
-                                        ("BACKEND", _bindings.nixlBackendError)])
+@pytest.mark.parametrize(
+    "error, exc",
+    [
+        (None, _bindings.nixlRemoteDisconnectError),
+        ("CANCELED", _bindings.nixlCancelledError),
+        ("BACKEND", _bindings.nixlBackendError),
+    ],
+)
 def test_xfer_fail_after_raises_at_exactly_the_nth_check_and_keeps_raising(polls, error, exc):
     w = world()
     params = {"polls": polls} if error is None else {"polls": polls, "error": error}
@@ -517,8 +525,12 @@ def test_simulated_transfers_of_one_process_share_its_link_and_other_processes_d
     c.register_memory(alone)
     for agent in (b, c):
         agent.add_remote_agent(a.get_agent_metadata())
-    quarters = [b.initialize_xfer("READ", b.get_xfer_descs(dst[i * n:(i + 1) * n]),
-                                  b.get_xfer_descs(src[i * n:(i + 1) * n]), "A") for i in range(4)]
+    quarters = [
+        b.initialize_xfer(
+            "READ", b.get_xfer_descs(dst[i * n : (i + 1) * n]), b.get_xfer_descs(src[i * n : (i + 1) * n]), "A"
+        )
+        for i in range(4)
+    ]
     other = c.initialize_xfer("READ", c.get_xfer_descs(alone), c.get_xfer_descs(src[:n]), "A")
     assert [b.transfer(h) for h in quarters] + [c.transfer(other)] == ["PROC"] * 5
     start, latency, wire = now[0], f.time_model.xfer_latency_s, f.time_model.wire_seconds(n)

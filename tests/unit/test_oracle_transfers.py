@@ -23,8 +23,19 @@ def _pair() -> Oracles:
 
 
 def _moved(oracles: Oracles, op: str, local: tuple[int, int], remote: tuple[int, int]) -> None:
-    oracles.on_fabric("xfer.done", {"agent": "A", "pid": 0, "op": op, "nbytes": local[1], "conn": "ca",
-                                    "local": [local], "target": "cb", "remote": [remote]})
+    oracles.on_fabric(
+        "xfer.done",
+        {
+            "agent": "A",
+            "pid": 0,
+            "op": op,
+            "nbytes": local[1],
+            "conn": "ca",
+            "local": [local],
+            "target": "cb",
+            "remote": [remote],
+        },
+    )
 
 
 def test_a_transfer_inside_both_registrations_is_no_finding() -> None:
@@ -40,8 +51,9 @@ def test_the_initiator_s_own_buffer_released_before_the_bytes_moved_is_named_as_
     _moved(oracles, op, (0x1000, 64), (0x9000, 64))
     [p] = oracles.problems
     assert (p.verdict, p.invariant) == ("safety", "unregistered_access")
-    assert p.detail == (f"{op} by A (pid 0) moved 64 B {into} local memory of A (live) that was not registered at "
-                        "that moment")
+    assert p.detail == (
+        f"{op} by A (pid 0) moved 64 B {into} local memory of A (live) that was not registered at that moment"
+    )
 
 
 def test_a_local_span_past_the_end_of_its_registration_is_a_finding() -> None:
@@ -56,5 +68,6 @@ def test_the_target_destroyed_is_named_as_remote_and_destroyed() -> None:
     oracles.on_fabric("agent.destroy", {"agent": "B", "pid": 1, "conn": "cb"})
     _moved(oracles, "READ", (0x1000, 64), (0x9000, 64))
     [p] = oracles.problems
-    assert p.detail == ("READ by A (pid 0) moved 64 B from remote memory of B (destroyed) that was not registered "
-                        "at that moment")
+    assert p.detail == (
+        "READ by A (pid 0) moved 64 B from remote memory of B (destroyed) that was not registered at that moment"
+    )

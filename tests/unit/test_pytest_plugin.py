@@ -58,16 +58,22 @@ def test_shims_are_gone_after_the_fixture(tmp_path) -> None:
     """A test after one that used ``fake_nixl`` imports the real ``nixl._api`` (or nothing), never the fake: run as
     a session of its own, so the order of this file's tests does not decide it (review: it passed vacuously alone)."""
     (tmp_path / "test_inner.py").write_text(INNER)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(tmp_path / "test_inner.py")], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_inner.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
 
 
 def test_plugin_and_cli_front_door_import_nothing_heavy() -> None:
-    code = ("import sys, sim, sim.pytest_plugin, sim.cli\n"
-            "heavy = sorted(m for m in ('torch', 'nixl', 'nixl_cu12', 'simpy', 'greenlet') if m in sys.modules)\n"
-            "print(','.join(heavy))")
+    code = (
+        "import sys, sim, sim.pytest_plugin, sim.cli\n"
+        "heavy = sorted(m for m in ('torch', 'nixl', 'nixl_cu12', 'simpy', 'greenlet') if m in sys.modules)\n"
+        "print(','.join(heavy))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
@@ -76,8 +82,10 @@ def test_plugin_and_cli_front_door_import_nothing_heavy() -> None:
 def test_judging_a_real_run_imports_neither_torch_nor_the_simulated_workers() -> None:
     """The real backend's judge replays a run's events through the oracles: it needs the history's record shapes
     (sim/records.py), not the cluster that also builds workers and their tensors."""
-    code = ("import sys, real_backends.judge\n"
-            "print(','.join(sorted(m for m in ('torch', 'sim.cluster', 'sim.worker') if m in sys.modules)))")
+    code = (
+        "import sys, real_backends.judge\n"
+        "print(','.join(sorted(m for m in ('torch', 'sim.cluster', 'sim.worker') if m in sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""

@@ -54,10 +54,18 @@ def test_builtin_loads_and_names_itself(name):
     assert S.load(str(S.builtin_dir() / f"{name}.yaml")) == s  # by path too
 
 
-@pytest.mark.parametrize("name,sizes", [
-    ("steady", [2]), ("scale-up", [2, 4]), ("scale-down", [4, 2]), ("elastic-cycle", [2, 4, 2, 4]),
-    ("rank-failure", [4, 3]), ("abort", [2, 4]), ("deepseek-v3-ep64", [64, 72, 64, 80, 64]),
-])
+@pytest.mark.parametrize(
+    "name,sizes",
+    [
+        ("steady", [2]),
+        ("scale-up", [2, 4]),
+        ("scale-down", [4, 2]),
+        ("elastic-cycle", [2, 4, 2, 4]),
+        ("rank-failure", [4, 3]),
+        ("abort", [2, 4]),
+        ("deepseek-v3-ep64", [64, 72, 64, 80, 64]),
+    ],
+)
 def test_builtin_ep_sizes(name, sizes):
     assert S.load(name).ep_sizes() == sizes
 
@@ -100,10 +108,13 @@ def test_dump_load_round_trip(name, tmp_path):
 
 
 def test_round_trip_with_faults(tmp_path):
-    s = S.with_overrides(S.load("scale-up"), faults=[
-        {"site": "nixl.xfer.fail_after", "params": {"polls": 3, "error": "REMOTE_DISCONNECT"}, "at_step": 1000},
-        {"site": "nixl.xfer.late", "params": {"delay": 0.5}, "times": 2},
-    ])
+    s = S.with_overrides(
+        S.load("scale-up"),
+        faults=[
+            {"site": "nixl.xfer.fail_after", "params": {"polls": 3, "error": "REMOTE_DISCONNECT"}, "at_step": 1000},
+            {"site": "nixl.xfer.late", "params": {"delay": 0.5}, "times": 2},
+        ],
+    )
     again = S.load(str(S.dump(s, tmp_path / "s.yaml")))
     assert again == s
     assert again.faults[1].params == {"delay": 0.5} and type(again.faults[1].params["delay"]) is float
@@ -112,16 +123,25 @@ def test_round_trip_with_faults(tmp_path):
     assert type(S.FaultSpec(site="x", params={"strict": True}).params["strict"]) is bool
 
 
-@pytest.mark.parametrize("fault, line", [
-    ("{site: nope}", "faults[0]: fault site 'nope' not found"),
-    ("{site: gc.late, params: {rank: 99}}",
-     "faults[0]: fault gc.late:rank=99: rank 99 never exists; the scenario starts rank processes 0..3"),
-    ("{site: gc.late, params: {at_step: 99999}}",
-     "faults[0]: fault gc.late:at_step=99999: at_step 99999 is not before the scenario's steps = 3000"),
-    ("{site: gc.late, at_step: 5, params: {at_step: 99}}",
-     "faults[0].params.at_step: 99 disagrees with faults[0].at_step = 5; give it once"),
-    ("{site: gc.late, params: {bogus: 1}}", "faults[0]: fault gc.late: no parameter 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "fault, line",
+    [
+        ("{site: nope}", "faults[0]: fault site 'nope' not found"),
+        (
+            "{site: gc.late, params: {rank: 99}}",
+            "faults[0]: fault gc.late:rank=99: rank 99 never exists; the scenario starts rank processes 0..3",
+        ),
+        (
+            "{site: gc.late, params: {at_step: 99999}}",
+            "faults[0]: fault gc.late:at_step=99999: at_step 99999 is not before the scenario's steps = 3000",
+        ),
+        (
+            "{site: gc.late, at_step: 5, params: {at_step: 99}}",
+            "faults[0].params.at_step: 99 disagrees with faults[0].at_step = 5; give it once",
+        ),
+        ("{site: gc.late, params: {bogus: 1}}", "faults[0]: fault gc.late: no parameter 'bogus'"),
+    ],
+)
 def test_a_scenario_s_own_faults_are_checked_as_fault_options_are(tmp_path, fault, line):
     """A scenario file's faults are checked as fault options are, not only when armed: the error names the file and
     the fault's place, and each is checked against the scenario (a rank that never exists does not pass silently)."""
@@ -194,16 +214,19 @@ def test_wrong_type(tmp_path):
     assert error_of(path) == f"{path}: model.layers: Input should be a valid integer"
 
 
-@pytest.mark.parametrize("old,new,field", [
-    ("ranks: 2", "ranks: '2'", "ranks"),                        # strings are not coerced
-    ("layers: 4", "layers: true", "model.layers"),              # nor booleans
-    ("steps: 3000", "steps: 3000.5", "steps"),
-    ("kind: scale_up", "kind: grow", "timeline[0].kind"),
-    ("ranks: 2", "ranks: 0", "ranks"),
-    ("at_step: 1000", "at_step: -1", "timeline[0].at_step"),
-    ("ranks: 2", "ranks: 2\ngpus_per_node: 0", "gpus_per_node"),
-    ("experts: 8,", "experts: 8, expert_groups: 3,", "model.expert_groups"),  # groups must split the experts
-])
+@pytest.mark.parametrize(
+    "old,new,field",
+    [
+        ("ranks: 2", "ranks: '2'", "ranks"),  # strings are not coerced
+        ("layers: 4", "layers: true", "model.layers"),  # nor booleans
+        ("steps: 3000", "steps: 3000.5", "steps"),
+        ("kind: scale_up", "kind: grow", "timeline[0].kind"),
+        ("ranks: 2", "ranks: 0", "ranks"),
+        ("at_step: 1000", "at_step: -1", "timeline[0].at_step"),
+        ("ranks: 2", "ranks: 2\ngpus_per_node: 0", "gpus_per_node"),
+        ("experts: 8,", "experts: 8, expert_groups: 3,", "model.expert_groups"),  # groups must split the experts
+    ],
+)
 def test_bad_values(tmp_path, old, new, field):
     path = write(tmp_path, SMALL.replace(old, new, 1))
     assert error_of(path).startswith(f"{path}: {field}: ")
@@ -220,38 +243,58 @@ def test_several_errors_stay_one_line(tmp_path):
     assert message.startswith(f"{path}: ranks: ") and message.endswith("(and 1 more error)")
 
 
-@pytest.mark.parametrize("timeline,expected", [
-    ("  - {at_step: 1000, kind: scale_down, to: 5}\n",
-     "timeline[0].to: scale_down to 5 ranks but only 2 exist at step 1000; scale_down must decrease the EP size"),
-    ("  - {at_step: 1000, kind: scale_up, to: 4}\n  - {at_step: 2000, kind: scale_down, to: 5}\n",
-     "timeline[1].to: scale_down to 5 ranks but only 4 exist at step 2000; scale_down must decrease the EP size"),
-    ("  - {at_step: 1000, kind: scale_up, to: 2}\n",
-     "timeline[0].to: scale_up to 2 ranks but 2 already exist at step 1000; scale_up must increase the EP size"),
-    ("  - {at_step: 1000, kind: scale_down, to: 1}\n",
-     "timeline[0].to: scale_down to 1 rank x 4 local_experts = 4 physical slots, fewer than model.experts = 8"),
-    ("  - {at_step: 1000, kind: scale_up, to: 6}\n",
-     "timeline[0].to: scale_up to 6 ranks exceeds max_ranks = 4"),
-    ("  - {at_step: 1000, kind: abort, to: 6}\n",
-     "timeline[0].to: abort to 6 ranks exceeds max_ranks = 4"),
-    ("  - {at_step: 1000, kind: abort, to: 2}\n",
-     "timeline[0].to: abort of a reconfiguration to 2 ranks but 2 already exist at step 1000; "
-     "the prepared size must differ"),
-    ("  - {at_step: 2000, kind: scale_up, to: 4}\n  - {at_step: 1000, kind: scale_down, to: 2}\n",
-     "timeline[1].at_step: 1000 comes before timeline[0].at_step = 2000; events must be sorted by at_step"),
-    ("  - {at_step: 3000, kind: scale_up, to: 4}\n",
-     "timeline[0].at_step: 3000 is not before steps = 3000"),
-    ("  - {at_step: 1000, kind: fail_rank, rank: 2}\n",
-     "timeline[0].rank: fail_rank of rank 2 but only ranks 0..1 exist at step 1000"),
-    ("  - {at_step: 1000, kind: fail_rank, rank: 1}\n",
-     "timeline[0].rank: after rank 1 fails, 1 rank x 4 local_experts = 4 physical slots, "
-     "fewer than model.experts = 8"),
-    ("  - {at_step: 1000, kind: scale_up}\n", "timeline[0].to: scale_up needs the new EP size"),
-    ("  - {at_step: 1000, kind: fail_rank}\n", "timeline[0].rank: fail_rank needs the rank that fails"),
-    ("  - {at_step: 1000, kind: fail_rank, rank: 0, to: 1}\n",
-     "timeline[0].to: fail_rank takes rank, not to (the EP size drops by one)"),
-    ("  - {at_step: 1000, kind: scale_up, to: 4, rank: 1}\n",
-     "timeline[0].rank: only fail_rank takes a rank, not scale_up"),
-])
+@pytest.mark.parametrize(
+    "timeline,expected",
+    [
+        (
+            "  - {at_step: 1000, kind: scale_down, to: 5}\n",
+            "timeline[0].to: scale_down to 5 ranks but only 2 exist at step 1000; scale_down must decrease the EP size",
+        ),
+        (
+            "  - {at_step: 1000, kind: scale_up, to: 4}\n  - {at_step: 2000, kind: scale_down, to: 5}\n",
+            "timeline[1].to: scale_down to 5 ranks but only 4 exist at step 2000; scale_down must decrease the EP size",
+        ),
+        (
+            "  - {at_step: 1000, kind: scale_up, to: 2}\n",
+            "timeline[0].to: scale_up to 2 ranks but 2 already exist at step 1000; scale_up must increase the EP size",
+        ),
+        (
+            "  - {at_step: 1000, kind: scale_down, to: 1}\n",
+            "timeline[0].to: scale_down to 1 rank x 4 local_experts = 4 physical slots, fewer than model.experts = 8",
+        ),
+        ("  - {at_step: 1000, kind: scale_up, to: 6}\n", "timeline[0].to: scale_up to 6 ranks exceeds max_ranks = 4"),
+        ("  - {at_step: 1000, kind: abort, to: 6}\n", "timeline[0].to: abort to 6 ranks exceeds max_ranks = 4"),
+        (
+            "  - {at_step: 1000, kind: abort, to: 2}\n",
+            "timeline[0].to: abort of a reconfiguration to 2 ranks but 2 already exist at step 1000; "
+            "the prepared size must differ",
+        ),
+        (
+            "  - {at_step: 2000, kind: scale_up, to: 4}\n  - {at_step: 1000, kind: scale_down, to: 2}\n",
+            "timeline[1].at_step: 1000 comes before timeline[0].at_step = 2000; events must be sorted by at_step",
+        ),
+        ("  - {at_step: 3000, kind: scale_up, to: 4}\n", "timeline[0].at_step: 3000 is not before steps = 3000"),
+        (
+            "  - {at_step: 1000, kind: fail_rank, rank: 2}\n",
+            "timeline[0].rank: fail_rank of rank 2 but only ranks 0..1 exist at step 1000",
+        ),
+        (
+            "  - {at_step: 1000, kind: fail_rank, rank: 1}\n",
+            "timeline[0].rank: after rank 1 fails, 1 rank x 4 local_experts = 4 physical slots, "
+            "fewer than model.experts = 8",
+        ),
+        ("  - {at_step: 1000, kind: scale_up}\n", "timeline[0].to: scale_up needs the new EP size"),
+        ("  - {at_step: 1000, kind: fail_rank}\n", "timeline[0].rank: fail_rank needs the rank that fails"),
+        (
+            "  - {at_step: 1000, kind: fail_rank, rank: 0, to: 1}\n",
+            "timeline[0].to: fail_rank takes rank, not to (the EP size drops by one)",
+        ),
+        (
+            "  - {at_step: 1000, kind: scale_up, to: 4, rank: 1}\n",
+            "timeline[0].rank: only fail_rank takes a rank, not scale_up",
+        ),
+    ],
+)
 def test_impossible_timelines(tmp_path, timeline, expected):
     head, _, _ = SMALL.partition("timeline:\n")
     path = write(tmp_path, head + "timeline:\n" + timeline + "steps: 3000\n")
@@ -263,25 +306,34 @@ def test_an_abort_needs_the_revision_whose_workers_take_it(tmp_path):
     head, _, _ = SMALL.partition("timeline:\n")
     text = head + "timeline:\n  - {at_step: 1000, kind: abort, to: 4}\nsteps: 3000\n"
     path = write(tmp_path, text)
-    assert error_of(path) == (f"{path}: timeline[0].kind: vLLM 0.33.0's workers take no ABORT; an abort needs "
-                              "lifecycle: pr-53947")
+    assert error_of(path) == (
+        f"{path}: timeline[0].kind: vLLM 0.33.0's workers take no ABORT; an abort needs lifecycle: pr-53947"
+    )
     assert S.load(write(tmp_path, text + "lifecycle: pr-53947\n")).lifecycle == "pr-53947"
     assert S.load("abort").lifecycle == "pr-53947" and S.load("scale-up").lifecycle == "0.33.0"
 
 
 def test_fail_rank_after_scale_up(tmp_path):
     head, _, _ = SMALL.partition("timeline:\n")
-    text = head + ("timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n"
-                   "  - {at_step: 1500, kind: fail_rank, rank: 3}\nsteps: 3000\n")
+    text = head + (
+        "timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n"
+        "  - {at_step: 1500, kind: fail_rank, rank: 3}\nsteps: 3000\n"
+    )
     assert S.load(write(tmp_path, text)).ep_sizes() == [2, 4, 3]
 
 
-@pytest.mark.parametrize("old,new,expected", [
-    ("local_experts: 4", "local_experts: 3",
-     "ranks: 2 ranks x 3 local_experts = 6 physical slots, fewer than model.experts = 8"),
-    ("max_ranks: 4", "max_ranks: 1", "max_ranks: 1 is below ranks = 2"),
-    ("eplb: {", "serving: {top_k: 9}\neplb: {", "serving.top_k: 9 exceeds model.experts = 8"),
-])
+@pytest.mark.parametrize(
+    "old,new,expected",
+    [
+        (
+            "local_experts: 4",
+            "local_experts: 3",
+            "ranks: 2 ranks x 3 local_experts = 6 physical slots, fewer than model.experts = 8",
+        ),
+        ("max_ranks: 4", "max_ranks: 1", "max_ranks: 1 is below ranks = 2"),
+        ("eplb: {", "serving: {top_k: 9}\neplb: {", "serving.top_k: 9 exceeds model.experts = 8"),
+    ],
+)
 def test_impossible_shapes(tmp_path, old, new, expected):
     path = write(tmp_path, SMALL.replace(old, new, 1))
     assert error_of(path) == f"{path}: {expected}"
@@ -289,8 +341,9 @@ def test_impossible_shapes(tmp_path, old, new, expected):
 
 def test_fault_shape(tmp_path):
     path = write(tmp_path, SMALL + "faults:\n  - {site: nixl.xfer.stuck, params: {x: [1, 2]}}\n")
-    assert error_of(path) == (f"{path}: faults[0].params.x: a fault parameter is a boolean, integer, number or "
-                              f"string, not list")
+    assert error_of(path) == (
+        f"{path}: faults[0].params.x: a fault parameter is a boolean, integer, number or string, not list"
+    )
     path = write(tmp_path, SMALL + "faults:\n  - {site: nixl.xfer.stuck, at_step: 9000}\n")
     assert error_of(path) == f"{path}: faults[0].at_step: 9000 is not before steps = 3000"
     path = write(tmp_path, SMALL + "faults:\n  - {site: nixl.xfer.stuck, times: 0}\n")
@@ -317,9 +370,11 @@ def test_duplicate_key(tmp_path):
 
 def test_anchors_and_merge_keys_are_not_duplicates(tmp_path):
     old = "timeline:\n  - {at_step: 1000, kind: scale_up, to: 4}\n  - {at_step: 2000, kind: scale_down, to: 2}\n"
-    text = SMALL.replace(old,
-                         "timeline:\n  - &up {at_step: 1000, kind: scale_up, to: 4, prepare_s: 2.0}\n"
-                         "  - {<<: *up, at_step: 2000, kind: scale_down, to: 2}\n")
+    text = SMALL.replace(
+        old,
+        "timeline:\n  - &up {at_step: 1000, kind: scale_up, to: 4, prepare_s: 2.0}\n"
+        "  - {<<: *up, at_step: 2000, kind: scale_down, to: 2}\n",
+    )
     s = S.load(write(tmp_path, text))
     assert s.ep_sizes() == [2, 4, 2] and s.timeline[1].prepare_s == 2.0
 
@@ -384,8 +439,9 @@ def test_from_dict():
 
 def test_with_overrides_top_level_and_nested():
     s = S.load("scale-up")
-    t = S.with_overrides(s, seed=7, strategy="arena-registry", eplb={"window": 50}, serving__skew=0.8,
-                         **{"model.hidden": 16})
+    t = S.with_overrides(
+        s, seed=7, strategy="arena-registry", eplb={"window": 50}, serving__skew=0.8, **{"model.hidden": 16}
+    )
     assert (t.seed, t.strategy, t.eplb.window, t.serving.skew, t.model.hidden) == (7, "arena-registry", 50, 0.8, 16)
     assert t.eplb.step_interval == s.eplb.step_interval and t.serving.top_k == s.serving.top_k  # merged, kept
     assert s.seed == 0 and s.eplb.window == 200  # the original is unchanged

@@ -19,16 +19,26 @@ from multiprocessing import Pipe
 import pytest
 
 from real_backends import launch
-from real_backends.launch import (answer_clock, clock_domain, measure_clock_offset, place_clock, receive_hello,
-                                   share_clocks)
+from real_backends.launch import (
+    answer_clock,
+    clock_domain,
+    measure_clock_offset,
+    place_clock,
+    receive_hello,
+    share_clocks,
+)
 from sim.errors import ScenarioError
 
 
 def test_processes_of_one_kernel_share_a_clock_domain():
     here = clock_domain()
     assert here is not None and here.count("/") == 1  # boot id / time namespace
-    child = subprocess.run([sys.executable, "-c", "from real_backends.launch import clock_domain; "
-                            "print(clock_domain())"], capture_output=True, text=True, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "from real_backends.launch import clock_domain; print(clock_domain())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert child.stdout.strip() == here
 
 
@@ -113,8 +123,9 @@ def test_a_slot_of_an_older_epsim_is_refused_in_one_line():
         receive_hello(ours, timeout_s=10)
 
 
-@pytest.mark.parametrize("how", ["closes before its hello", "stalls before its hello", "dies during the rounds",
-                                 "stalls during the rounds"])
+@pytest.mark.parametrize(
+    "how", ["closes before its hello", "stalls before its hello", "dies during the rounds", "stalls during the rounds"]
+)
 def test_a_slot_that_dies_or_stalls_before_it_is_placed_is_dropped(how):
     ours, theirs = Pipe()
     if "rounds" in how:  # on another kernel, so the rounds are needed
@@ -129,14 +140,21 @@ def test_a_slot_that_dies_or_stalls_before_it_is_placed_is_dropped(how):
 def test_the_slots_of_one_other_host_share_its_tightest_placement():
     """They read one clock: placed one by one, two of them could be pulled apart by the sum of their bounds."""
     here = clock_domain()
-    infos = [{"rank": 0, "clock_domain": here, "clock_offset": 0.0, "clock_bound": 0.0},
-             {"rank": 1, "clock_domain": "b/t", "clock_offset": -5.0002, "clock_bound": 0.0004},
-             {"rank": 2, "clock_domain": "b/t", "clock_offset": -5.0001, "clock_bound": 0.0001},
-             {"rank": 3, "clock_domain": None, "clock_offset": 7.0, "clock_bound": 0.002},  # cannot say: alone
-             {"rank": 4, "clock_domain": None, "clock_offset": 7.5, "clock_bound": 0.001}]
+    infos = [
+        {"rank": 0, "clock_domain": here, "clock_offset": 0.0, "clock_bound": 0.0},
+        {"rank": 1, "clock_domain": "b/t", "clock_offset": -5.0002, "clock_bound": 0.0004},
+        {"rank": 2, "clock_domain": "b/t", "clock_offset": -5.0001, "clock_bound": 0.0001},
+        {"rank": 3, "clock_domain": None, "clock_offset": 7.0, "clock_bound": 0.002},  # cannot say: alone
+        {"rank": 4, "clock_domain": None, "clock_offset": 7.5, "clock_bound": 0.001},
+    ]
     share_clocks(infos)
     assert [(i["clock_offset"], i["clock_bound"]) for i in infos] == [
-        (0.0, 0.0), (-5.0001, 0.0001), (-5.0001, 0.0001), (7.0, 0.002), (7.5, 0.001)]
+        (0.0, 0.0),
+        (-5.0001, 0.0001),
+        (-5.0001, 0.0001),
+        (7.0, 0.002),
+        (7.5, 0.001),
+    ]
 
 
 # -- slot 0's wait for the slots (TorchrunLauncher.open), with a stand-in for torchrun's store ---------------------
@@ -147,8 +165,13 @@ def job(monkeypatch):
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "2",
-                       "RANK": "0", "LOCAL_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("EPSIM_PORT", raising=False)
     monkeypatch.setattr(launch, "HELLO_TIMEOUT_S", 1.0)
@@ -214,8 +237,9 @@ def test_slot_0_waits_past_a_connection_that_never_answers_the_challenge(job):
     launcher, store = job
     stranger = _start_slot(store, None, challenge=False)  # connects and says nothing: not one of ours
     time.sleep(0.5)
-    player = _start_slot(store, {"rank": 1, "local_rank": 1, "host": socket.gethostname(), "os_pid": 1,
-                                 "clock_domain": clock_domain()})
+    player = _start_slot(
+        store, {"rank": 1, "local_rank": 1, "host": socket.gethostname(), "os_pid": 1, "clock_domain": clock_domain()}
+    )
     launcher.open(_scenario())
     assert sorted(info["rank"] for _, info in launcher._free) == [0, 1]
     launcher.close()
@@ -224,11 +248,14 @@ def test_slot_0_waits_past_a_connection_that_never_answers_the_challenge(job):
         assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("hello, said", [
-    (None, r"^a torchrun slot connected and then died or did not place its clock within 1 s"),
-    ({"rank": 1, "local_rank": 1, "host": "h", "os_pid": 1}, r"^torchrun slot 1 runs another version of epsim")])
-def test_a_slot_of_the_job_that_stalls_or_is_refused_fails_the_wait_at_once_and_every_slot_is_let_go(job, hello,
-                                                                                                     said):
+@pytest.mark.parametrize(
+    "hello, said",
+    [
+        (None, r"^a torchrun slot connected and then died or did not place its clock within 1 s"),
+        ({"rank": 1, "local_rank": 1, "host": "h", "os_pid": 1}, r"^torchrun slot 1 runs another version of epsim"),
+    ],
+)
+def test_a_slot_of_the_job_that_stalls_or_is_refused_fails_the_wait_at_once_and_every_slot_is_let_go(job, hello, said):
     launcher, store = job
     player = _start_slot(store, hello)
     started = time.monotonic()

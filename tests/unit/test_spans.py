@@ -14,12 +14,16 @@ from fakes.nixl._spans import SpanIndex
 KEYS = [(0, 0), (0, 1), (1, 0)]  # (mem, dev)
 starts = st.integers(0, 64)
 lengths = st.integers(0, 24)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.sampled_from(KEYS), starts, lengths, st.integers(0, 5)),
-    st.tuples(st.just("remove"), st.integers(0, 5)),
-    st.tuples(st.just("query"), st.sampled_from(KEYS),
-              st.lists(st.tuples(starts, lengths), min_size=1, max_size=4)),
-), max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from(KEYS), starts, lengths, st.integers(0, 5)),
+        st.tuples(st.just("remove"), st.integers(0, 5)),
+        st.tuples(
+            st.just("query"), st.sampled_from(KEYS), st.lists(st.tuples(starts, lengths), min_size=1, max_size=4)
+        ),
+    ),
+    max_size=40,
+)
 
 
 def _covering(items, key, start, length):

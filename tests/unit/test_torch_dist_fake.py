@@ -76,8 +76,12 @@ def test_every_rank_gets_its_own_containers_and_aliasing_survives() -> None:
 
     def rank_main(g):
         shared = [g.rank()]
-        payload = {"meta": {(0, 1): (100 * g.rank(), 8, 0)}, "twice": [shared, shared], "box": _Box([g.rank()]),
-                   "ordered": collections.OrderedDict(a=g.rank())}
+        payload = {
+            "meta": {(0, 1): (100 * g.rank(), 8, 0)},
+            "twice": [shared, shared],
+            "box": _Box([g.rank()]),
+            "ordered": collections.OrderedDict(a=g.rank()),
+        }
         gathered = [None] * 3
         torch_dist.all_gather_object(gathered, payload, group=g)
         got[g.rank()] = gathered
@@ -228,8 +232,10 @@ def test_contributions_that_do_not_fit_fail_every_member_at_once(case: str) -> N
         return "returned"
 
     got = _spawn_all(k, groups, body)
-    assert [kind for kind, *_ in got] == ["RuntimeError", "RuntimeError" if case in ("shape", "dtype")
-                                          else "CollectiveMismatch"]
+    assert [kind for kind, *_ in got] == [
+        "RuntimeError",
+        "RuntimeError" if case in ("shape", "dtype") else "CollectiveMismatch",
+    ]
     assert got[0][2] == got[1][2] == 2.0, got  # when the last member arrived, not after a timeout
     assert "connection closed by peer (rank 1" in got[0][1]
     # gloo closes the connections: the group is unusable afterwards
@@ -246,8 +252,11 @@ def test_after_a_timeout_the_group_is_closed_and_a_late_arrival_fails_at_once() 
         return "ok"
 
     got = _spawn_all(k, groups, body)
-    assert got[0] == ("CollectiveTimeout", "barrier #0 on group eplb#0 timed out after 10 s: ranks [1] (pids [11]) "
-                                           "never arrived", 10.0)
+    assert got[0] == (
+        "CollectiveTimeout",
+        "barrier #0 on group eplb#0 timed out after 10 s: ranks [1] (pids [11]) never arrived",
+        10.0,
+    )
     assert got[1][0] == "RuntimeError" and got[1][2] == 15.0 and "connection closed by peer" in got[1][1]
 
 
@@ -274,8 +283,22 @@ def test_work_wait_timeout_raises_and_leaves_the_collective_and_the_group_as_the
         return seen, t.item(), k.now(), after.item()
 
     got = _spawn_all(k, groups, body)
-    assert got[0] == ("ok", ([("Operation timed out! (all_reduce[SUM] #0 on group eplb#0: ranks [1] (pids [11]) had "
-                               "not arrived after Work.wait's 5 s)", 5.0, False)], 3.0, 100.0, 2.0))
+    assert got[0] == (
+        "ok",
+        (
+            [
+                (
+                    "Operation timed out! (all_reduce[SUM] #0 on group eplb#0: ranks [1] (pids [11]) had "
+                    "not arrived after Work.wait's 5 s)",
+                    5.0,
+                    False,
+                )
+            ],
+            3.0,
+            100.0,
+            2.0,
+        ),
+    )
     assert got[1] == ("ok", ([], 3.0, 100.0, 2.0))
     assert groups[0].rendezvous.broken is None
 
@@ -407,8 +430,21 @@ def test_a_wait_bound_holds_while_only_the_latency_is_left() -> None:
         return "no timeout"
 
     got = _spawn_all(k, groups, body)
-    assert got == [("ok", ("Operation timed out! (barrier #0 on group eplb#0: the result had not landed after "
-                           "Work.wait's 1 s)", 1.0, False))] * 2
+    assert (
+        got
+        == [
+            (
+                "ok",
+                (
+                    "Operation timed out! (barrier #0 on group eplb#0: the result had not landed after "
+                    "Work.wait's 1 s)",
+                    1.0,
+                    False,
+                ),
+            )
+        ]
+        * 2
+    )
 
 
 def test_a_group_timeout_closes_the_group_and_ends_the_other_members_waits_at_once() -> None:
@@ -438,6 +474,7 @@ def test_a_group_timeout_closes_the_group_and_ends_the_other_members_waits_at_on
 
 def _kill_at(k, pid: int, at: float) -> None:
     """Process ``pid`` killed at ``at`` simulated seconds, as the cluster ends a rank's process."""
+
     def killer():
         k.sleep(at)
         k.kill_process(pid)
@@ -470,16 +507,25 @@ def test_a_member_s_death_fails_the_others_collectives_at_once(when: str) -> Non
     got = _spawn_all(k, groups, body)
     t, seq = (2.0, "") if late else (1.0, " #0")  # a call on a closed group fails before it has a number
     for rank in (0, 1):
-        assert got[rank] == ("ok", [
-            ("ConnectionClosed", f"all_reduce[SUM]{seq} on group eplb#0: connection closed by peer (pid 12 was "
-                                 "killed)", [2], t),
-            ("ConnectionClosed", "barrier on group eplb#0: connection closed by peer (pid 12 was killed)", [2], t)])
+        assert got[rank] == (
+            "ok",
+            [
+                (
+                    "ConnectionClosed",
+                    f"all_reduce[SUM]{seq} on group eplb#0: connection closed by peer (pid 12 was killed)",
+                    [2],
+                    t,
+                ),
+                ("ConnectionClosed", "barrier on group eplb#0: connection closed by peer (pid 12 was killed)", [2], t),
+            ],
+        )
 
 
 def test_a_destroyed_group_is_not_closed_by_a_member_s_exit_and_other_groups_are() -> None:
     k = Kernel(seed=0)
-    old, new, other = (Rendezvous(k, name, pids) for name, pids in
-                       (("eplb#0", [10, 11]), ("eplb#1", [10, 11]), ("eplb#2", [10, 12])))
+    old, new, other = (
+        Rendezvous(k, name, pids) for name, pids in (("eplb#0", [10, 11]), ("eplb#1", [10, 11]), ("eplb#2", [10, 12]))
+    )
     old.destroyed = True
     torch_dist.process_gone(k, 11)
     assert (old.broken, new.broken, other.broken) == (None, "pid 11 exited", None)
@@ -502,8 +548,11 @@ def test_a_wait_bound_that_ends_with_the_deadline_is_the_deadline_whatever_the_s
         work.wait(timeout=datetime.timedelta(seconds=200))
 
     got = _spawn_all(k, groups, body)
-    assert got[0] == ("CollectiveTimeout", "barrier #0 on group eplb#0 timed out after 300 s: ranks [1] (pids [11]) "
-                                           "never arrived", 300.0)
+    assert got[0] == (
+        "CollectiveTimeout",
+        "barrier #0 on group eplb#0 timed out after 300 s: ranks [1] (pids [11]) never arrived",
+        300.0,
+    )
     assert groups[0].rendezvous.broken == "collective #0 timed out on rank 0"
 
 
@@ -519,8 +568,15 @@ def test_a_collective_in_flight_when_a_member_died_fails_as_closed_even_when_wai
 
     _kill_at(k, 12, 1.0)
     got = _spawn_all(k, groups, body)
-    assert got[0] == got[1] == ("ConnectionClosed", "all_reduce[SUM] #0 on group eplb#0: connection closed by peer "
-                                                    "(pid 12 was killed)", 400.0)
+    assert (
+        got[0]
+        == got[1]
+        == (
+            "ConnectionClosed",
+            "all_reduce[SUM] #0 on group eplb#0: connection closed by peer (pid 12 was killed)",
+            400.0,
+        )
+    )
     assert not [f for _, kind, f in k.history.records if kind == "collective.timeout"]
 
 

@@ -34,8 +34,9 @@ def _ranges(tensors: Sequence[Any]) -> list[tuple[int, int]]:
 class _ArenaAgent:
     """A NIXL agent shared by every communicator of this process whose tensors lie in the ranges it registered."""
 
-    def __init__(self, key: tuple[str, int, int], agent: Any, registered_descs: Any,
-                 registered_ranges: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, key: tuple[str, int, int], agent: Any, registered_descs: Any, registered_ranges: list[tuple[int, int]]
+    ) -> None:
         self.key = key
         self.agent = agent
         self.registered_descs = registered_descs
@@ -117,7 +118,11 @@ class ArenaNixlCommunicator(NixlReadCommunicator):
             _release_arena(arena)
 
 
-def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-           prev_communicator: EplbCommunicator | None = None) -> ArenaNixlCommunicator:
+def create(
+    group: Any,
+    expert_weights: Sequence[Sequence[Any]],
+    expert_buffer: Sequence[Any],
+    prev_communicator: EplbCommunicator | None = None,
+) -> ArenaNixlCommunicator:
     """#63134 finds the agent through the registry, not through ``prev_communicator`` (accepted and ignored)."""
     return ArenaNixlCommunicator(group, expert_weights, expert_buffer)

@@ -42,5 +42,10 @@ class EplbCommunicator(ABC):
 
 
 class CommunicatorFactory(Protocol):
-    def __call__(self, group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-                 prev_communicator: EplbCommunicator | None = None) -> EplbCommunicator: ...
+    def __call__(
+        self,
+        group: Any,
+        expert_weights: Sequence[Sequence[Any]],
+        expert_buffer: Sequence[Any],
+        prev_communicator: EplbCommunicator | None = None,
+    ) -> EplbCommunicator: ...

@@ -92,8 +92,10 @@ class NixlReadCommunicator(EplbCommunicator):
         agent = self.nixl_wrapper
         gathered: list[Any] = [None] * self._world
         dist.all_gather_object(gathered, agent.get_agent_metadata(), group=self._group)
-        return [agent.name if r == self._rank else as_name(agent.add_remote_agent(metadata))
-                for r, metadata in enumerate(gathered)]
+        return [
+            agent.name if r == self._rank else as_name(agent.add_remote_agent(metadata))
+            for r, metadata in enumerate(gathered)
+        ]
 
     def _init_remote_state(self) -> None:
         names: dict[int, str] = {}
@@ -115,13 +117,17 @@ class NixlReadCommunicator(EplbCommunicator):
         per_rank: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
         for r, meta in enumerate(metas):
             if meta.keys() != mine.keys():
-                raise RuntimeError(f"rank {r} registered expert tensors {sorted(meta)}, rank {self._rank} "
-                                   f"{sorted(mine)}: layers and tensors must match on every rank")
+                raise RuntimeError(
+                    f"rank {r} registered expert tensors {sorted(meta)}, rank {self._rank} "
+                    f"{sorted(mine)}: layers and tensors must match on every rank"
+                )
             if list(map(stride_of, meta.values())) != strides:
                 bad = next(((k, v) for k, v in meta.items() if v[1] != mine[k][1]), None)
                 if bad is not None:
-                    raise RuntimeError(f"layer {bad[0][0]} tensor {bad[0][1]}: rank {r} has {bad[1][1]} bytes per "
-                                       f"expert, rank {self._rank} {mine[bad[0]][1]}")
+                    raise RuntimeError(
+                        f"layer {bad[0][0]} tensor {bad[0][1]}: rank {r} has {bad[1][1]} bytes per "
+                        f"expert, rank {self._rank} {mine[bad[0]][1]}"
+                    )
             # This rank's own copy from the collective (and tuples, as sent): kept as it is.
             per_rank[r] = meta
         self._remote_send_meta = per_rank
@@ -139,8 +145,9 @@ class NixlReadCommunicator(EplbCommunicator):
             for t, tensor in enumerate(tensors):
                 nbytes = tensor.numel() * tensor.element_size()
                 if nbytes % self._num_local_experts:
-                    raise ValueError(f"layer {layer} tensor {t}: {nbytes} bytes do not split into "
-                                     f"{self._num_local_experts} experts")
+                    raise ValueError(
+                        f"layer {layer} tensor {t}: {nbytes} bytes do not split into {self._num_local_experts} experts"
+                    )
                 meta[(layer, t)] = (tensor.data_ptr(), nbytes // self._num_local_experts, device_index(tensor))
         return meta
 
@@ -199,7 +206,8 @@ class NixlReadCommunicator(EplbCommunicator):
         remote_descs = []
         for t, (dst, (base, stride, dev)) in enumerate(zip(tensors, metas)):
             assert dst.is_contiguous() and dst.nbytes == stride, (
-                f"recv tensor {t} has {dst.nbytes} bytes, one expert has {stride}")
+                f"recv tensor {t} has {dst.nbytes} bytes, one expert has {stride}"
+            )
             remote_descs.append((base + row * stride, stride, dev))
         local = agent.get_xfer_descs(list(tensors), self._mem)
         remote = agent.get_xfer_descs(remote_descs, self._mem)

@@ -70,14 +70,22 @@ class DeferredPerAgentNixlCommunicator(PerAgentNixlCommunicator):
     eager_remote_setup = False
 
 
-def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-           prev_communicator: EplbCommunicator | None = None) -> PerAgentNixlCommunicator:
+def create(
+    group: Any,
+    expert_weights: Sequence[Sequence[Any]],
+    expert_buffer: Sequence[Any],
+    prev_communicator: EplbCommunicator | None = None,
+) -> PerAgentNixlCommunicator:
     """vLLM 0.33 has no ``prev_communicator``: it is accepted and ignored."""
     return PerAgentNixlCommunicator(group, expert_weights, expert_buffer)
 
 
-def create_deferred(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-                    prev_communicator: EplbCommunicator | None = None) -> PerAgentNixlCommunicator:
+def create_deferred(
+    group: Any,
+    expert_weights: Sequence[Sequence[Any]],
+    expert_buffer: Sequence[Any],
+    prev_communicator: EplbCommunicator | None = None,
+) -> PerAgentNixlCommunicator:
     """``per-communicator-agent-deferred``: the same lifecycle with remote setup deferred to the first
     ``set_transfer_context``, as a later vLLM revision does for stateless groups (PREPARE then makes no collective
     of the new group).  The DeepEP dimension of the matrix runs on it, so that only the buffers' order decides

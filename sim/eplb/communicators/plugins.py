@@ -42,8 +42,10 @@ def resolve(name: str) -> str:
         module, _, factory = name.partition(":")
         if module and factory:
             return name
-    raise UnknownStrategy(f"strategy {name!r} not found; known: {', '.join(BUILTIN)}, vllm[:PATH], "
-                          "vllm+shared-agent[:PATH], or package.module:factory")
+    raise UnknownStrategy(
+        f"strategy {name!r} not found; known: {', '.join(BUILTIN)}, vllm[:PATH], "
+        "vllm+shared-agent[:PATH], or package.module:factory"
+    )
 
 
 # epsim's own packages: a built-in's module is loaded afresh on its own; the package around it holds no per-process
@@ -89,8 +91,9 @@ def _find_spec(name: str, module_name: str):
     except (ImportError, ValueError) as exc:
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} cannot be imported ({exc})") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - its parent package failed while importing
-        raise UnknownStrategy(f"strategy {name!r}: importing the package of {module_name!r} failed: "
-                              f"{type(exc).__name__}: {exc}") from None
+        raise UnknownStrategy(
+            f"strategy {name!r}: importing the package of {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     if spec is None or spec.loader is None:
         raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)")
     return spec
@@ -111,8 +114,9 @@ def _fresh_file(name: str, module_name: str):
     # A source file is compiled once per process (each instance still runs its body); any other file (a .pyc
     # alone, an extension module) takes the loader its suffix asks for.
     loader = CompiledOnce(unique, spec.origin) if spec.origin.endswith(".py") else None
-    fresh = importlib.util.spec_from_file_location(unique, spec.origin, submodule_search_locations=package,
-                                                   loader=loader)
+    fresh = importlib.util.spec_from_file_location(
+        unique, spec.origin, submodule_search_locations=package, loader=loader
+    )
     assert fresh is not None and fresh.loader is not None  # a source file's spec, as checked above
     module = importlib.util.module_from_spec(fresh)
     # Relative imports resolve in the real package: the module's parent, or the package itself for an __init__.
@@ -122,8 +126,9 @@ def _fresh_file(name: str, module_name: str):
         fresh.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's module failing to import (or calling
         # sys.exit while it imports) is their error, in one line
-        raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise UnknownStrategy(
+            f"strategy {name!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     return module
 
 
@@ -157,14 +162,17 @@ def fresh_package_module(name: str, module_name: str):
             return importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name is not None and _in_package(module_name, exc.name):
-                raise UnknownStrategy(f"strategy {name!r}: module {module_name!r} not found (is it on "
-                                      f"PYTHONPATH?)") from None
-            raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                raise UnknownStrategy(
+                    f"strategy {name!r}: module {module_name!r} not found (is it on PYTHONPATH?)"
+                ) from None
+            raise UnknownStrategy(
+                f"strategy {name!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a user's package failing to import is their
             # error, in one line
-            raise UnknownStrategy(f"strategy {name!r}: importing {module_name!r} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            raise UnknownStrategy(
+                f"strategy {name!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _check_signature(name: str, factory: Callable) -> Callable:
@@ -178,10 +186,10 @@ def _check_signature(name: str, factory: Callable) -> Callable:
     try:
         signature.bind(None, None, None, None)
     except TypeError as exc:
-        raise UnknownStrategy(f"strategy {name!r} is not a strategy factory: "
-                              f"{getattr(factory, '__name__', 'it')}{signature} cannot be called as "
-                              f"factory(group, expert_weights, expert_buffer, prev_communicator), which returns an "
-                              f"EPLB communicator ({exc})") from None
+        raise UnknownStrategy(
+            f"strategy {name!r} is not a strategy factory: "
+            f"{getattr(factory, '__name__', 'it')}{signature} cannot be called as "
+            f"factory(group, expert_weights, expert_buffer, prev_communicator), which returns an "
+            f"EPLB communicator ({exc})"
+        ) from None
     return factory
-
-

@@ -31,8 +31,13 @@ from sim.eplb.communicators.nixl_read import NixlReadCommunicator
 class SharedAgentNixlCommunicator(NixlReadCommunicator):
     """A communicator on an agent it made, or on the agent of the communicator it replaces."""
 
-    def __init__(self, group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-                 prev_communicator: SharedAgentNixlCommunicator | None = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        expert_weights: Sequence[Sequence[Any]],
+        expert_buffer: Sequence[Any],
+        prev_communicator: SharedAgentNixlCommunicator | None = None,
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         super().__init__(group, expert_weights, expert_buffer)
@@ -56,6 +61,7 @@ class SharedAgentNixlCommunicator(NixlReadCommunicator):
         self._release_handles(quiet=True)
 
 
-def create(group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any],
-           prev_communicator: Any = None) -> SharedAgentNixlCommunicator:  # one of these, when given
+def create(
+    group: Any, expert_weights: Sequence[Sequence[Any]], expert_buffer: Sequence[Any], prev_communicator: Any = None
+) -> SharedAgentNixlCommunicator:  # one of these, when given
     return SharedAgentNixlCommunicator(group, expert_weights, expert_buffer, prev_communicator)

@@ -22,9 +22,16 @@ def _barrier(group: Any) -> None:
 class Buffer:
     num_sms = 20
 
-    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24, explicitly_destroy: bool = False,
-                 **_: Any) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        explicitly_destroy: bool = False,
+        **_: Any,
+    ) -> None:
         if low_latency_mode:
             raise NotImplementedError("the host double models the high-throughput buffer only")
         self.group, self.explicitly_destroy = group, explicitly_destroy
@@ -45,8 +52,16 @@ class Buffer:
         per_expert = torch.tensor([int((topk_idx == e).sum()) for e in range(num_experts)], dtype=torch.int32)
         return in_rank.sum(dim=0).to(torch.int32), None, per_expert, in_rank, None
 
-    def dispatch(self, x, num_tokens_per_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
-                 topk_idx=None, topk_weights=None, **_: Any):
+    def dispatch(
+        self,
+        x,
+        num_tokens_per_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        **_: Any,
+    ):
         self._live()
         everyone: list[Any] = [None] * self.group_size
         dist.all_gather_object(everyone, (x, topk_idx, topk_weights), group=self.group)
@@ -75,7 +90,7 @@ class Buffer:
             for src, picked in enumerate(their_layout):
                 n = int(picked.numel())
                 if src == self.rank:
-                    out.index_add_(0, picked, rows[start:start + n].float())
+                    out.index_add_(0, picked, rows[start : start + n].float())
                 start += n
         return out.to(x.dtype), None, None
 
