@@ -120,6 +120,7 @@ class RankProcess:
         # What the worker holds, as the commands posted to it imply: which drops a command makes.
         self.has_prepared = False
         self.has_aborted = False  # an aborted PREPARE's communicator waits in the worker until the next PREPARE
+        self.prepare_waits = False  # its PREPARE waits for an async rebalance in flight to land (rank.py _prepare)
         self.conn: Any
         self.conn, self.proc = cluster.launcher.start(cfg)
         # Events carry the rank host's monotonic clock: the same clock as this process's on this kernel; a torchrun
@@ -235,6 +236,8 @@ class RealCluster:
         elif kind == "prepared":
             if w.prepare is not None and w.prepare.prepared is not None:
                 w.prepare.prepared.set()
+        elif kind == "prepare_waits":
+            w.prepare_waits = msg[1]
         elif kind == "crash":
             self.crashed.append(pid)
         elif kind == "eof":
@@ -318,13 +321,16 @@ class RealCluster:
         # unless a rebalance is in flight, so the communicators still building after the scenario's prepare_s of
         # steps are waited for here, up to PREPARE_POLL_S, before another chunk: the steps served then are as many
         # as the simulation's (where every PREPARE takes prepare_s), however long NIXL agents take to start here.
-        # A chunk is still served after it: a PREPARE that waits for a rebalance in flight (_prepare in rank.py)
-        # needs the steps that take its layers.
+        # A PREPARE that waits for a rebalance in flight (_prepare in rank.py) is not waited for: it needs the steps
+        # of the next chunk to take the layers that end its wait.
         deadline = time.monotonic() + max(PREPARE_POLL_S, PREPARE_POLL_STEPS * self.scenario.serving.step_time_s)
         while True:
-            if all(h.value.is_set() for h in handles.values()):
+            late = [p for p, h in handles.items() if not h.value.is_set()]
+            if not late:
                 return True
             if self.crashed or time.monotonic() > deadline:
+                return False
+            if any(self.timeline.workers[p].prepare_waits for p in late):
                 return False
             self._pump(0.01)
 

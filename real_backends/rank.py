@@ -526,8 +526,16 @@ class RealWorker:
         # prepare_s outlasts one).  A real PREPARE takes no time of its own (and new ranks starting hold serving
         # up), so it waits for that here, while the main thread serves and takes the layers; without the wait a
         # storage.move or peer.restart landed under the async thread's READs, which no simulated run does.
+        # The parent serves the next chunk at once while this waits (RealCluster.prepared), instead of first
+        # giving the PREPARE its while to build: the layers that end the wait come only with served steps.
+        with self.eplb_state:
+            waits = self.rebalanced
+        if waits:
+            self.link.send("prepare_waits", True)
         with self.eplb_state:
             self.eplb_state.wait_for(lambda: not self.rebalanced, timeout=self.cfg.timeout_s)
+        if waits:
+            self.link.send("prepare_waits", False)
         if storage_move:
             self.retired_buffers.append(self.buffer)
             self.buffer = [torch.full_like(b, float("nan")) for b in self.buffer]
