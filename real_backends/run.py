@@ -52,6 +52,7 @@ def run_real(
     cluster.run()
     wall = time.perf_counter() - started
     history, oracles = judge(cluster.events, cluster.t0, completed=cluster.completed, stuck=cluster.stuck)
+    history.refuse_malformed()
     verdict, invariant, detail = oracles.verdict()
     first = oracles.first_problem()
     implicated = (

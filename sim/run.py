@@ -89,6 +89,7 @@ def _run(scenario, seed, strategy, profile, armed, out, on_progress, calibration
                     f"epsim's engine failed at {cluster.kernel.now():g} s simulated: "
                     f"{exception_line(exc)}; a bug in epsim, not in the code under test"
                 ) from exc
+        cluster.kernel.history.refuse_malformed()
         unjudged = cluster.unjudged()
         if unjudged is not None:
             cluster.kernel.close()

@@ -69,6 +69,11 @@ def started_as(out) -> list[str]:
 if (os.cpu_count() or 1) < 8:
     os.environ.setdefault("EPSIM_NIXL_PROGRESS_DELAY_US", "1000")
 
+# Every history the suite makes (simulated runs, and real runs' judged ledgers, in this process and in the epsim
+# commands it starts) checks each record against its kind in sim/events.py, and a run with one that is not its
+# kind's is an internal error: the schema and docs/reference/history.md cannot drift from what is recorded.
+os.environ.setdefault("EPSIM_CHECK_EVENTS", "1")
+
 # CI sets this: there, the real NIXL is installed on purpose, so failing to import it is an error, not a skip.
 REQUIRE_REAL_NIXL = os.environ.get("EPSIM_REQUIRE_REAL_NIXL") == "1"
 
