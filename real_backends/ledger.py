@@ -47,7 +47,7 @@ class LedgerAgent:
     _pid: int = -1
     _live: "weakref.WeakSet[LedgerAgent]" = weakref.WeakSet()
 
-    def __init__(self, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
+    def __init__(self, agent_name: str | bytes, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
         self._given, self._conf, self._all = agent_name, nixl_conf, instantiate_all
         self._name = _name(agent_name)  # the name the ledger records
         self._registered: list[tuple[Any, Any]] = []  # (descs, mem type) still registered, for restart()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Sequence
 
 _MAX_LIST_ANSWERS = 1 << 16  # whole-list answers kept between changes
 
@@ -109,7 +109,7 @@ class SpanIndex:
                 return found
         return self._find(key, start, length, skip)
 
-    def find_each(self, mem: int, triples: Iterable[tuple[int, int, int]], skip=None) -> tuple[Any, ...]:
+    def find_each(self, mem: int, triples: Iterable[Sequence[int]], skip=None) -> tuple[Any, ...]:
         """``tuple(find((mem, dev), addr, length, skip) for addr, length, dev in triples)`` in one call (a prepared
         descriptor list looks up every descriptor)."""
         if skip is not None:
@@ -127,7 +127,7 @@ class SpanIndex:
             found = answers[triples] = tuple([find((mem, dev), addr, length, None) for addr, length, dev in triples])
         return found
 
-    def first_uncovered(self, key: Hashable, spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
+    def first_uncovered(self, key: Hashable, spans: Iterable[Sequence[int]]) -> tuple[int, int] | None:
         """The first ``(start, length)`` of ``spans`` that no range under ``key`` covers; None if all are covered."""
         if type(spans) is not tuple:  # e.g. a real rank's ledger, read back from JSON as lists
             spans = tuple([(start, length) for start, length in spans])

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 SendMeta = dict[tuple[int, int], tuple[int, int, int]]
 
@@ -107,7 +110,7 @@ class EplbReader:
             self._remote_send_meta[peer_rank] = dict(meta)
 
     # -- data path ---------------------------------------------------------------------------------------------
-    def set_transfer_context(self, old_indices: Sequence[int], layer_idx: int) -> None:
+    def set_transfer_context(self, old_indices: Sequence[int] | torch.Tensor, layer_idx: int) -> None:
         """``old_indices``: logical expert id per physical slot of this layer before the rebalance (-1: empty)."""
         if self._pending:
             raise RuntimeError("set_transfer_context() while transfers are still pending; call execute() first")

@@ -89,7 +89,12 @@ class World:
             bb = self.agents["B"]
             local = bb.get_xfer_descs(b.xd(self.bufs[s[2]]), b.memory)
             remote = bb.get_xfer_descs(b.xd(self.bufs[s[3]]), b.memory)
-            got = observe(lambda: self.handles.append(bb.initialize_xfer(s[1], local, remote, "A", b"n")) or "ok")
+
+            def make() -> str:
+                self.handles.append(bb.initialize_xfer(s[1], local, remote, "A", b"n"))
+                return "ok"
+
+            got = observe(make)
             return got
         if kind in ("post", "release"):
             if s[1] >= len(self.handles) or s[1] in self.released:

@@ -76,7 +76,9 @@ def _real(name: str, case: cases.Case) -> dict[int, list]:
         if case.kill is not None:
             rank, at = case.kill
             time.sleep(max(0.0, start + at - time.monotonic()))
-            os.kill(procs[rank].pid, signal.SIGKILL)
+            pid = procs[rank].pid
+            assert pid is not None  # started above
+            os.kill(pid, signal.SIGKILL)
         survivors = cases.WORLD - (case.kill is not None)
         while len(seen) < survivors:
             rank, kind, rows = out.get(timeout=60)
@@ -97,6 +99,7 @@ def _real(name: str, case: cases.Case) -> dict[int, list]:
 def test_process_groups_agree_with_gloo(name: str, impl: str) -> None:
     case = cases.CASES[name]
     seen = _fake(name, case) if impl == "fake" else _real(name, case)
+    assert case.expected is not None
     assert cases.agree(seen, case.expected), seen
     if impl == "fake":  # simulated time: exactly on the second
         assert all(t == want for r in seen for (_, _, t), (_, _, want) in zip(seen[r], case.expected[r]))

@@ -26,7 +26,7 @@ try:
     from .eplb_reader import EplbReader
 except ImportError:  # collected without the tests package (rootdir-less run): import it from beside this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from eplb_reader import EplbReader
+    from eplb_reader import EplbReader  # type: ignore[no-redef]  # the same class, reached by another name
 
 WORLD = 3
 LAYERS = 2
@@ -259,6 +259,7 @@ def test_check_after_failed_post_reports_remote_disconnect(client_world, world):
     """Real NIXL 1.5.1 keeps REMOTE_DISCONNECT as the request's state when its post fails that way, so the next
     check_xfer_state raises nixlRemoteDisconnectError again (the fake once left the request NEW)."""
     bindings, reader, _ = _read_from_closed_rank(world)
+    got: Exception | None
     try:
         reader.execute()
     except Exception as exc:  # noqa: BLE001 - the type is what is checked

@@ -83,6 +83,7 @@ def test_calibrate_measures_writes_and_compares(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     cal = load(out)
+    assert cal.process_start_s is not None
     assert cal.bandwidth_Bps > 1e8 and cal.collective_latency_s > 0 and cal.process_start_s > 0
     assert 0 < cal.collect_s < 10  # a planned gc.collect() in a process loaded as a rank is
     assert cal.concurrent_share is not None and cal.concurrent_share > 0  # recorded, not judged (timing)
@@ -128,7 +129,10 @@ def test_a_comparison_whose_real_run_failed_says_it_is_incomplete(monkeypatch):
     spans = [["rebalance", 0.0, 1.0], ["scale_up", 1.0, 2.0], ["rebalance", 2.0, 3.0]]
     monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R("pass", spans))
     monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R("crash", spans[:1], "worker@1: boom"))
-    run = cal_mod.compare_one(cal_mod.Calibration.model_construct(), cal_mod.FIT_CASE, "cpu")
+    # (the calibration's numbers are never read: run_scenario is replaced)
+    run = cal_mod.compare_one(
+        cal_mod.Calibration.model_construct(xfer_latency_s=0.0, bandwidth_Bps=1.0), cal_mod.FIT_CASE, "cpu"
+    )
     assert not run["complete"] and (run["spans_simulated"], run["spans_measured"], len(run["spans"])) == (3, 1, 1)
     assert run["real_verdict"] == "crash" and run["real_detail"] == "worker@1: boom"
 
@@ -154,7 +158,9 @@ def test_spans_pair_by_kind_and_count_when_one_world_rebalanced_once_more(monkey
     ]
     monkeypatch.setattr(sim_run, "run_scenario", lambda *a, **k: _R(sim))
     monkeypatch.setattr(run_mod, "run_real", lambda *a, **k: _R(real))
-    run = cal_mod.compare_one(cal_mod.Calibration.model_construct(), cal_mod.FIT_CASE, "cpu")
+    run = cal_mod.compare_one(
+        cal_mod.Calibration.model_construct(xfer_latency_s=0.0, bandwidth_Bps=1.0), cal_mod.FIT_CASE, "cpu"
+    )
     assert [(r["what"], r["error"]) for r in run["spans"]] == [
         ("rebalance", -0.5),
         ("scale_up.prepare", -0.5),

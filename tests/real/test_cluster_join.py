@@ -9,12 +9,14 @@ import queue
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 from real_backends.cluster import Handle, RealCluster
 
 
 def bare_cluster(pids: list[int], dead: set[int]) -> RealCluster:
-    cluster = RealCluster.__new__(RealCluster)
+    # Any: its engine (timeline) and its record below are duck-typed stand-ins, not the types the class declares
+    cluster: Any = RealCluster.__new__(RealCluster)
     cluster.inbox = queue.Queue()
     cluster.crashed, cluster.stuck, cluster.events = [], [], []
     cluster.timeout_s = 30.0

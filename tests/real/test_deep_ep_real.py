@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_a_deep_ep_scenario_needs_a_gpu_and_says_so():
 
 
 def test_the_judge_reads_a_wrong_forward_and_a_leak_warning():
-    bad = [
+    bad: list[tuple[float, int, int, str, dict[str, Any]]] = [
         (1.0, 0, 1, "all2all.checked", {"pid": 0, "problem": None}),
         (2.0, 1, 1, "all2all.checked", {"pid": 1, "problem": "token 3: combined [1.0] != reference [2.0]"}),
     ]
@@ -55,16 +56,17 @@ def _print_the_warning(conn, stdout_path: str) -> None:
     import os
     import time
 
+    from real_backends import rank
     from real_backends.rank import watch_deep_ep_warnings
 
     # This process's stdout is a file (a pytest-xdist worker's is its channel to the controller: never write there).
     os.dup2(os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
 
-    class Link:
-        def emit(self, kind, **fields):
+    class Link(rank.Link):  # the real link's interface; its events go to the test as (kind, fields)
+        def emit(self, kind: str, **fields: Any) -> None:
             conn.send((kind, fields))
 
-    watch_deep_ep_warnings(Link(), 7)
+    watch_deep_ep_warnings(Link(conn, 7), 7)
     libc = ctypes.CDLL(None)
     libc.printf(b"WARNING: destroy() was not called before DeepEP buffer destruction, which can leak resources.\n")
     libc.printf(b"something else\n")
@@ -124,4 +126,4 @@ def test_the_real_rank_runs_vllm_s_managers_as_the_simulated_worker_does(scenari
         real.detail,
         sim.detail,
     )
-    assert "DeepEP buffer" in real.detail and "destroy()" in real.detail
+    assert real.detail is not None and "DeepEP buffer" in real.detail and "destroy()" in real.detail

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from real_backends.validate import CASES, Case, compare
 from sim.run import Result
@@ -95,10 +96,13 @@ def test_cases_for_one_device_run_only_there(monkeypatch):
     assert all(not c.in_step and c.load("cuda").serving.host_ahead_steps == 1.0 for c in defaults)
     assert all(c.load("cuda").serving.host_ahead_steps == 0.0 for c in CASES if c.in_step)
     assert all(c.load("cpu").serving.async_scheduling for c in CASES)  # (no stream to be ahead of on host memory)
-    ran = []
-    monkeypatch.setattr(
-        validate, "run_case", lambda case, device, timeout_s, calibration=None: ran.append(case) or {"agree": True}
-    )
+    ran: list[Case] = []
+
+    def run_case(case: Case, device: str, timeout_s: float, calibration=None) -> dict[str, Any]:
+        ran.append(case)
+        return {"agree": True}
+
+    monkeypatch.setattr(validate, "run_case", run_case)
     validate.run_validation("cpu", catalogue=False)
     assert ran and not [c for c in ran if c.device is not None]
     ran.clear()
@@ -135,6 +139,7 @@ def test_a_weights_race_without_injected_lag_is_checked_against_the_lagged_simul
     assert with_stream_lag(lagged_case, "cuda", sim, broken) is None  # lagged already: no second opinion to ask
 
     lagged = with_stream_lag(case, "cuda", sim, broken)
+    assert lagged is not None
     assert lagged["fault"] == STREAM_LAG and lagged["matches_real"]
     assert lagged["sim"]["invariant"] == "expert_weights" and lagged["sim"]["profile"] == "cuda"
 
@@ -166,7 +171,7 @@ def test_a_stuck_command_is_judged_where_it_happened_not_after_the_teardown():
     the teardown that follows (a survivor's collective failing once the stuck rank is killed) is not the verdict."""
     from real_backends.judge import judge
 
-    events = [
+    events: list[tuple[float, int, int, str, dict[str, Any]]] = [
         (1.0, -1, 0, "engine.stuck", {"what": "serving", "pids": [1]}),
         (
             2.0,

@@ -50,6 +50,7 @@ def test_the_zygote_forks_ranks_and_reports_their_exits_kills_and_its_own_death(
         conn.close()
         # A zygote that dies takes its ranks with it, and they read as killed.
         conn, orphan = _fork(zygote)
+        assert zygote.popen is not None  # it started (wait_ready above)
         os.kill(zygote.popen.pid, signal.SIGKILL)
         orphan.join(30)
         assert orphan.exitcode == -signal.SIGKILL

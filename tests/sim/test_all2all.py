@@ -5,6 +5,7 @@ elastic patch, overlapping buffers, a buffer collected on one rank) is in tests/
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from sim import scenario as scenario_mod
 from sim.run import run_scenario
 from tests.conftest import epsim
 
-LL_ELASTIC = {"all2all.backend": "deepep_low_latency", "all2all.nvshmem": "elastic"}
+LL_ELASTIC: dict[str, Any] = {"all2all.backend": "deepep_low_latency", "all2all.nvshmem": "elastic"}
 # pr-53947 makes a group's buffer on its first forward step: the order most tests here read.  vLLM 0.33.0 makes it
 # with the MoE kernels, at load and at PREPARE (test_0_33_0_makes_the_new_groups_buffer_at_prepare...).
 FIRST_USE = {"lifecycle": "pr-53947"}
@@ -210,7 +211,8 @@ def test_a_deep_ep_run_leaves_nothing_of_its_world_behind():
 def test_a_buffer_dropped_without_destroy_is_a_leak_at_the_moment_deep_ep_warns(capsys):
     # High throughput: the MoE layer holds the only strong reference, so the switch drops each survivor's old buffer
     # (explicitly_destroy=True, as vLLM passes) before the cleanup, which finds the weak cache empty.
-    r = _run("scale-up", **{"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"})
+    high_throughput: dict[str, Any] = {"all2all.backend": "deepep_high_throughput", "all2all.nvshmem": "stock"}
+    r = _run("scale-up", **high_throughput)
     assert (r.verdict, r.invariant) == ("safety", "leak")
     assert r.detail == (
         "pid 1: DeepEP buffer eplb#0/ep/deep_ep#0 was dropped without destroy() "

@@ -35,8 +35,8 @@ def test_a_rebalance_due_while_one_is_in_flight_waits_for_it_under_0_33_0() -> N
     assert postponed, "no rebalance was postponed"
     # The takes are in lockstep, so every rank waits the same steps at the same moments.
     by_time: dict[float, set] = {}
-    for r in postponed:
-        by_time.setdefault(r["t"], set()).add((r["pid"], r["steps"]))
+    for rec in postponed:
+        by_time.setdefault(rec["t"], set()).add((rec["pid"], rec["steps"]))
     assert all({pid for pid, _ in v} == {0, 1} and len({s for _, s in v}) == 1 for v in by_time.values())
     assert records(steady_async("pr-53947"), "eplb.postponed") == []
     for lifecycle in ("0.33.0", "pr-53947"):

@@ -92,6 +92,7 @@ def test_a_bundle_of_a_wrapped_crash_replays_and_shrinks(tmp_path: Path) -> None
     done = epsim_here("replay", str(path), "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["reproduced"], done.stdout
     res = shrink.shrink(path, tmp_path / "small", max_runs=20)
+    assert res.bundle is not None
     assert bundle.load(res.bundle).expected["signature"] == row["signature"]
 
 
@@ -120,9 +121,11 @@ def _raise(fn):
 
 
 def test_describe_walks_context_and_stops_at_a_suppressed_one() -> None:
+    empty: dict[str, str] = {}
+
     def handling():
         try:
-            {}["missing"]
+            empty["missing"]
         except KeyError:
             raise TypeError("bad handler")  # noqa: B904 - raised while handling, on purpose: the chain under test
 
@@ -132,7 +135,7 @@ def test_describe_walks_context_and_stops_at_a_suppressed_one() -> None:
 
     def suppressed():
         try:
-            {}["missing"]
+            empty["missing"]
         except KeyError:
             raise TypeError("clean") from None
 

@@ -55,7 +55,7 @@ def test_async_eplb_races_the_same_way(strategy: str, lag: float, verdict: str) 
     r = run_scenario(sc, seed=0, strategy=strategy, faults=[f"device.stream_lag:delay_s={lag}"])
     assert r.verdict == verdict, r.detail
     if verdict == "safety":
-        assert r.invariant == "expert_weights" and "of layer" in r.detail
+        assert r.invariant == "expert_weights" and r.detail is not None and "of layer" in r.detail
 
 
 def test_a_stream_that_keeps_up_changes_no_history() -> None:

@@ -48,7 +48,10 @@ def test_marker_seeds_fixtures_and_the_replay_command(tmp_path: Path) -> None:
     failures = [tc for tc in ET.parse(tmp_path / "junit.xml").iter("testcase") if tc.find("failure") is not None]
     assert [tc.get("name") for tc in failures] == ["test_scale_up_survives[seed=1]"]
     failure = failures[0].find("failure")
-    assert f"[epsim replay: {cmd}]" in failure.get("message") and cmd in failure.text
+    assert failure is not None
+    message, text = failure.get("message"), failure.text
+    assert message is not None and text is not None
+    assert f"[epsim replay: {cmd}]" in message and cmd in text
     # the command does replay it
     again = subprocess.run(
         [sys.executable, "-m", "sim.cli", *cmd.split()[1:], "--json"], capture_output=True, text=True, timeout=120

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -213,7 +214,7 @@ def test_late_gc_no_longer_hides_the_broken_finalizer(fault: str, lifecycle: str
     r = run_scenario(with_overrides(load("scale-up"), lifecycle=lifecycle), strategy=BROKEN, faults=[fault])
     assert (r.verdict, r.invariant) == caught, r.detail
     if caught[0] == "crash":
-        assert "nixlNotFoundError" in r.detail
+        assert r.detail is not None and "nixlNotFoundError" in r.detail
 
 
 def test_gc_faults_change_where_the_old_communicator_dies() -> None:
@@ -448,7 +449,7 @@ def test_garbage_from_before_a_run_is_neither_scanned_nor_finalized_inside_it() 
         def __del__(self) -> None:
             finalized.append("leftover")
 
-    cycle = [Leftover()]
+    cycle: list[object] = [Leftover()]
     cycle.append(cycle)
     del cycle  # garbage now; only a collection can finalize it
     first = run_scenario(load("scale-up"))  # its planned collections used to finalize the leftover
@@ -553,10 +554,11 @@ def test_aborting_a_scale_down_while_layers_move_drains_every_member(use_async) 
     """An abort reaches only the ranks that were to stay; with a rebalance in flight (30 layers from step 125, the
     abort's PREPARE from step 126) the ranks a scale-down would have removed must drain too, since only a rank's
     own main thread takes its staged layers (else they hold everyone's next collective)."""
+    layers: dict[str, Any] = {"model.layers": 30}  # a dotted key: not a Python name
     cluster = _async_run(
         "scale-down",
         use_async=use_async,
-        **{"model.layers": 30},
+        **layers,
         timeline=[{"at_step": 126, "kind": "abort", "to": 2, "prepare_s": 0.1}],
         lifecycle="pr-53947",
     )
@@ -590,7 +592,7 @@ def test_a_rank_dying_mid_rebalance_stops_the_run_at_once_and_closes_its_groups(
     assert waiting == {0, 1, 2}  # the survivors' async threads were in the EPLB group's collective when it died
     from fakes import torch_dist
 
-    groups = {ref().name: ref().broken for ref in torch_dist._live[cluster.kernel] if ref() is not None}
+    groups = {g.name: g.broken for ref in torch_dist._live[cluster.kernel] if (g := ref()) is not None}
     assert groups["eplb#0"] == groups["eplb#0/ep"] == "pid 3 was killed"
     cluster.kernel.close()
 

@@ -57,6 +57,7 @@ def test_shrink_keeps_the_signature_with_at_most_three_faults_and_one_elastic_ev
     found = _bundle(tmp_path, name, strategy, profile, faults)
     assert bundle.load(found).expected["signature"] == signature
     res = shrink.shrink(found, tmp_path / "shrunk", max_runs=80)
+    assert res.bundle is not None
     small = bundle.load(res.bundle)
     assert small.expected["signature"] == signature
     assert len(small.config["faults"]) <= 3 and small.config["elastic_events"] <= 1, small.config
@@ -164,7 +165,7 @@ def test_report_summary_counts(known_db: Path) -> None:
 
 def test_report_cli_tables_json_and_plots(known_db: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need the plot extra (pip install 'epsim[plot]')")
-    from PIL import Image
+    from PIL import Image, PngImagePlugin
 
     plots = tmp_path / "plots"
     done = subprocess.run(
@@ -194,6 +195,7 @@ def test_report_cli_tables_json_and_plots(known_db: Path, tmp_path: Path) -> Non
     rate_png = plots / "failure_rate_by_site.png"
     assert sorted(out["plots"]) == sorted([str(rate_png), str(plots / "verdicts_by_config.png")])
     img = Image.open(rate_png)
+    assert isinstance(img, PngImagePlugin.PngImageFile)
     drawn = json.loads(img.text["Description"])
     # gc.cycle never fired: its runs failed (for another reason), and it is implicated in none of them
     assert drawn == {
@@ -206,7 +208,9 @@ def test_report_cli_tables_json_and_plots(known_db: Path, tmp_path: Path) -> Non
     bar = (0xC0, 0x39, 0x2B)
     columns = {x for x in range(rgb.width) for y in range(0, rgb.height, 4) if rgb.getpixel((x, y)) == bar}
     assert len(columns) > 20
-    verdict_png = json.loads(Image.open(plots / "verdicts_by_config.png").text["Description"])
+    verdict_img = Image.open(plots / "verdicts_by_config.png")
+    assert isinstance(verdict_img, PngImagePlugin.PngImageFile)
+    verdict_png = json.loads(verdict_img.text["Description"])
     assert verdict_png == {
         f"{PCA}/dram": {"pass": 1, "safety": 1, "timeout": 1},
         "shared-agent/dram": {"crash": 2, "pass": 1},

@@ -136,7 +136,13 @@ class World:
 
 def run_world(strategy: str, body: Callable[[World, int], None], profile: str = "dram") -> World:
     kernel = Kernel(seed=0)
-    fabric = FakeFabric(profile, clock=kernel.now, whoami=lambda: kernel.current().pid)
+
+    def whoami() -> int:
+        thread = kernel.current()
+        assert thread is not None  # the fabric asks from inside a simulated thread
+        return thread.pid
+
+    fabric = FakeFabric(profile, clock=kernel.now, whoami=whoami)
     fabric.poll_wait = lambda due: kernel.sleep(
         min(max(due - kernel.now(), 1e-6), 1e-3) if due != float("inf") else 1e-3
     )
@@ -251,10 +257,12 @@ def one_rank_drops_old(w: World, rank: int) -> None:
     w.at_checkpoint(rank, lambda: setattr(w, "phase", "drop"))
     if rank == 1:
         old.clear()
-    w.at_checkpoint(
-        rank,
-        lambda: (w.results.update(live=sorted(c.name for c in w.fabric.conns.values())), setattr(w, "phase", "move")),
-    )
+
+    def note_live_then_move() -> None:
+        w.results.update(live=sorted(c.name for c in w.fabric.conns.values()))
+        w.phase = "move"
+
+    w.at_checkpoint(rank, note_live_then_move)
     try:
         move(new, rank, weights, buffer, P1, P2)
         w.results[rank] = "ok" if not wrong_rows(rank, weights, P2) else "wrong"

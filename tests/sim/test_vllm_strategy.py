@@ -284,6 +284,7 @@ def test_peers_late_for_prepares_collective_are_liveness_however_wrapped(release
     assert (
         (ours.verdict, ours.invariant) == (built_in.verdict, built_in.invariant) == ("liveness", "collective_timeout")
     )
+    assert ours.detail is not None and ours.crash is not None
     assert "NIXL EPLB init failed: agents" in ours.detail and ours.crash["chain"][-1]["type"] == "CollectiveTimeout"
 
 

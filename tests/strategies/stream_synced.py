@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from sim.eplb.communicators.shared_agent import SharedAgentNixlCommunicator
 
 
 class StreamSyncedCommunicator(SharedAgentNixlCommunicator):
-    def set_transfer_context(self, old_indices: Sequence[int], layer_idx: int) -> None:
+    def set_transfer_context(self, old_indices: np.ndarray | Sequence[int], layer_idx: int) -> None:
         _wait_for_copies(self._expert_buffer[0])
         super().set_transfer_context(old_indices, layer_idx)
 

@@ -11,6 +11,7 @@ from sim.compiled import CompiledOnce
 
 def _instance(path, name):
     spec = importlib.util.spec_from_file_location(name, path, loader=CompiledOnce(name, str(path)))
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

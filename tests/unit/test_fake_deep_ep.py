@@ -386,7 +386,7 @@ def test_a_leaked_low_latency_buffer_above_8_ranks_keeps_the_static_team_from_th
     second = ranks.new_group("again", list(range(16)))
 
     def body(g, destroy_first):
-        kw = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
+        kw: dict[str, Any] = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
         first = deep_ep.Buffer(g, **kw)
         if destroy_first:
             first.destroy()
@@ -442,7 +442,7 @@ def test_any_nvshmem_finalize_releases_the_sub_rdma_team() -> None:
     g2, g3 = ranks.new_group("b", list(range(16))), ranks.new_group("c", list(range(16)))
 
     def body(g):
-        ll = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
+        ll: dict[str, Any] = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
         leaked = deep_ep.Buffer(g, **ll)
         del leaked
         other = deep_ep.Buffer(g2[g.rank()], num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20, explicitly_destroy=True)

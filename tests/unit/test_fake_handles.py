@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def test_a_set_of_handles_iterates_in_the_same_order_in_every_process():
         assert _set_order(seed, pad) == first
 
 
-def _pair():
+def _pair() -> tuple[_api.nixl_agent, np.ndarray, Any]:
     with use_fabric(FakeFabric("dram")):
         a = _api.nixl_agent("A")
     buf = np.zeros(64, dtype=np.uint8)

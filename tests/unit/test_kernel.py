@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -35,9 +36,14 @@ def test_threads_sleep_in_simulated_time_and_history_is_literal() -> None:
 
 def _interleaving(seed: int) -> list[str]:
     k = Kernel(seed=seed)
-    order = []
+    order: list[str] = []
+
+    def body(n: str) -> None:
+        k.sleep(1.0)
+        order.append(n)
+
     for name in "abcdef":
-        k.spawn(name, lambda n=name: (k.sleep(1.0), order.append(n)))
+        k.spawn(name, body, name)
     k.run()
     return order
 
@@ -51,8 +57,13 @@ def test_same_time_events_follow_the_seed() -> None:
 def test_same_seed_same_trace_hash() -> None:
     def world(seed):
         k = Kernel(seed=seed)
+
+        def body(i: int) -> None:
+            for _ in range(3):
+                k.sleep(0.5 * (i % 2))
+
         for i in range(4):
-            k.spawn(f"t{i}", lambda i=i: [k.sleep(0.5 * (i % 2)) for _ in range(3)], pid=i)
+            k.spawn(f"t{i}", body, i, pid=i)
         k.run()
         return k.history.trace_hash()
 
@@ -230,7 +241,7 @@ def test_blocking_outside_a_thread_is_refused() -> None:
 
 def test_time_and_uuid_are_simulated_inside_threads_only() -> None:
     k = Kernel(seed=5)
-    seen = {}
+    seen: dict[str, Any] = {}
 
     def body():
         t0 = time.monotonic()
@@ -255,7 +266,11 @@ def test_spawn_from_a_thread_and_join_by_waiting() -> None:
     out = []
 
     def parent():
-        child = k.spawn("child", lambda: (k.sleep(2), "result")[1], pid=1)
+        def child_body() -> str:
+            k.sleep(2)
+            return "result"
+
+        child = k.spawn("child", child_body, pid=1)
         out.append(k.wait(child.done, "join"))
         out.append(k.now())
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from multiprocessing import Pipe
+from typing import Any
 
 import pytest
 
@@ -67,7 +68,7 @@ def test_a_slot_on_another_kernel_gets_its_offset_within_the_bound_it_reports():
         answered: list = []
         slot = threading.Thread(target=_slot, args=(theirs, lambda: time.monotonic() + skew, answered))
         slot.start()
-        info = {"clock_domain": domain}
+        info: dict[str, Any] = {"clock_domain": domain}
         place_clock(ours, info)
         ours.send(("config", "x"))
         slot.join(10)
@@ -140,7 +141,7 @@ def test_a_slot_that_dies_or_stalls_before_it_is_placed_is_dropped(how):
 def test_the_slots_of_one_other_host_share_its_tightest_placement():
     """They read one clock: placed one by one, two of them could be pulled apart by the sum of their bounds."""
     here = clock_domain()
-    infos = [
+    infos: list[dict[str, Any]] = [
         {"rank": 0, "clock_domain": here, "clock_offset": 0.0, "clock_bound": 0.0},
         {"rank": 1, "clock_domain": "b/t", "clock_offset": -5.0002, "clock_bound": 0.0004},
         {"rank": 2, "clock_domain": "b/t", "clock_offset": -5.0001, "clock_bound": 0.0001},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from sim.vllm.move_loop import StreamView, stream_views
@@ -11,9 +13,9 @@ class Recorder:
     """A stream that holds what is issued on it until told to run it."""
 
     def __init__(self) -> None:
-        self.ops: list[tuple[object, str]] = []
+        self.ops: list[tuple[Callable[[], object], str]] = []
 
-    def submit(self, op, what: str) -> None:
+    def submit(self, op: Callable[[], object], what: str) -> None:
         self.ops.append((op, what))
 
     def run(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_every_rank_gets_its_own_containers_and_aliasing_survives() -> None:
             "box": _Box([g.rank()]),
             "ordered": collections.OrderedDict(a=g.rank()),
         }
-        gathered = [None] * 3
+        gathered: list[Any] = [None] * 3
         torch_dist.all_gather_object(gathered, payload, group=g)
         got[g.rank()] = gathered
         k.sleep(0)  # everyone has their copy before anyone mutates it
@@ -112,7 +113,7 @@ def test_copier_rebuilds_containers_and_shares_immutable_leaves() -> None:
     assert one == two == meta
     assert one is not meta and all(x is not y for x, y in zip(one, meta)) and one[0] is not two[0]
     assert one[0][(0, 0)] is meta[0][(0, 0)]
-    nested = {"a": [1, [2, 3]], "b": (1, (2, "x")), "c": frozenset({1, 2})}
+    nested: dict[str, Any] = {"a": [1, [2, 3]], "b": (1, (2, "x")), "c": frozenset({1, 2})}
     got = torch_dist._copier(nested)()
     assert got == nested and got["a"] is not nested["a"] and got["a"][1] is not nested["a"][1]
     assert got["b"] is nested["b"]
@@ -177,7 +178,7 @@ def test_mismatched_collectives_are_reported() -> None:
 
 
 def _spawn_all(k, groups, body):
-    out = {}
+    out: dict[int, tuple[Any, ...]] = {}
 
     def main(g):
         try:
