@@ -1,14 +1,15 @@
 """The history's record types: every kind of event a run's history holds, the fields it carries and what it means.
 
-A history record is ``(t, kind, fields)`` (:mod:`sim.trace`). This module is the one list of the kinds, shared by the
-simulated cluster, the real ranks' ledger and the real judge (which replays a real run into the same history), the
-oracles, the tests and ``docs/history.md`` (rendered from here, and checked against it). A kind that only
-one world records says so (``worlds``); a field only one world gives is ``NotRequired``.
+A history record is ``(t, kind, fields)`` (:mod:`sim.trace`). This module is the one list of the kinds: the simulated
+cluster's history and the history the real judge replays a real run into are checked against it, and
+``docs/history.md`` is rendered from it (and checked against it). A kind that only one world records says so
+(``worlds``); a field only one world gives is ``NotRequired``.
 
 Each kind is a ``TypedDict`` of its fields, so the fields stay plain data (the trace hash is computed over them) and a
 record costs nothing to make. :func:`check` validates one record against its type (pydantic, strict, no extra
 fields); with ``EPSIM_CHECK_EVENTS=1`` every history checks every record it is given (the test suite runs that way),
-so a new kind, a renamed field or a field of another type fails where it is recorded instead of in a reader.
+and a new kind, a renamed field or a field of another type ends the run as an internal error that names the record,
+instead of being skipped by a reader that matches on the old name.
 """
 
 # (No ``from __future__ import annotations``: TypedDict reads NotRequired off evaluated annotations.)
