@@ -378,14 +378,14 @@ class DeviceFlush(TypedDict):
 
 @kind("fault.arm", worlds="sim")
 class FaultArm(TypedDict):
-    """A fault at ``site`` is armed for the run."""
+    """A fake NIXL fault at ``site`` is armed, at its step."""
 
     site: str
 
 
-@kind("fault.fire", worlds="sim")
+@kind("fault.fire")
 class FaultFire(TypedDict):
-    """The fault at ``site`` fired on ``pid`` (on ``what``)."""
+    """The fault at ``site`` fired on ``pid`` (on ``what``); on real ranks, a GC or PREPARE fault the parent chose."""
 
     pid: int
     site: str
