@@ -387,19 +387,27 @@ def test_a_stopped_sweep_says_how_many_runs_it_kept_and_how_to_go_on(tmp_path: P
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # SIGINT at its default, as at a terminal: a shell without job control starts background jobs (a suite run
+        # with `&`) with SIGINT ignored, and Python keeps an ignored SIGINT ignored, so the sweep would never hear it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # until some runs are stored
-        time.sleep(0.5)
-        if db.exists():
-            try:
-                with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-                    if con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] >= 3:
-                        break
-            except sqlite3.Error:
-                pass
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until some runs are stored
+            time.sleep(0.5)
+            if db.exists():
+                try:
+                    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                        if con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] >= 3:
+                            break
+                except sqlite3.Error:
+                    pass
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:  # a sweep that did not stop must not go on sweeping (and taking a core) for the rest of the suite
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("epsim: interrupted: "), lines
