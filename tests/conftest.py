@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -58,6 +59,13 @@ def started_as(out) -> list[str]:
 
     lines = (Path(out) / "history.jsonl").read_text().splitlines()
     return [json.loads(line)["started_as"] for line in lines if '"process.start"' in line]
+
+
+def sigint_at_default() -> None:
+    """``preexec_fn`` of a child a test will ^C: SIGINT at its default, as at a terminal. A shell without job control
+    starts background jobs (a suite run with ``&``) with SIGINT ignored, and Python keeps an ignored SIGINT ignored,
+    so without this the child would shrug off the ^C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # On a small machine, real rank processes give NIXL's progress thread a 1 ms poll timeout instead of nixl._api's

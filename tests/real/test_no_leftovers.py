@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import epsim, real_nixl_or_skip
+from tests.conftest import epsim, real_nixl_or_skip, sigint_at_default
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +78,6 @@ def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set
     # Output to files when given: waiting for the parent must not depend on who else holds its pipes.
     out = (tmp_path / "stdout").open("w") if tmp_path else subprocess.PIPE
     err = (tmp_path / "stderr").open("w") if tmp_path else subprocess.PIPE
-    # SIGINT at its default: a shell without job control starts background jobs with SIGINT ignored, and Python
-    # then keeps ignoring it, so a test run launched with `&` would see the run shrug off the ^C it sends.
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -97,7 +95,7 @@ def _start_long_run(tmp_path: Path | None = None) -> tuple[subprocess.Popen, set
         stdout=out,
         stderr=err,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_at_default,
     )
     deadline = time.monotonic() + 120
     seen: set[int] = set()

@@ -19,7 +19,7 @@ from sim import bundle, executors, resultsdb, swarm
 from sim import sweep as sweep_mod
 from sim.errors import ScenarioError
 from sim.scenario import load
-from tests.conftest import epsim, epsim_here
+from tests.conftest import epsim, epsim_here, sigint_at_default
 
 PCA = "per-communicator-agent"
 # its crash under rocm-strict: the second live agent of a process registering the same pages is refused
@@ -387,9 +387,7 @@ def test_a_stopped_sweep_says_how_many_runs_it_kept_and_how_to_go_on(tmp_path: P
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # SIGINT at its default, as at a terminal: a shell without job control starts background jobs (a suite run
-        # with `&`) with SIGINT ignored, and Python keeps an ignored SIGINT ignored, so the sweep would never hear it
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_at_default,
     )
     try:
         deadline = time.monotonic() + 120
