@@ -189,7 +189,11 @@ class RealCluster:
         check_real_faults(list(faults), device)
         if scenario.all2all.backend != "none":
             check_real_all2all(scenario, device)
-        plugins.load(strategy, fresh=False)  # a missing or broken strategy is a one-line error before anything starts
+        if strategy not in plugins.BUILTIN:
+            # A missing or broken strategy is a one-line error before anything starts.  (A built-in is epsim's own
+            # module: loading one here would only import torch into a process that has no other use for it, 2.5 s
+            # of CPU per run on a 2-core machine; the ranks load it as they start.)
+            plugins.load(strategy, fresh=False)
         self.scenario, self.seed, self.strategy, self.device = scenario, seed, strategy, device
         self.timeout_s = timeout_s
         self.events: list[tuple[float, int, int, str, dict[str, Any]]] = []
@@ -202,7 +206,8 @@ class RealCluster:
         self.stuck: list[str] = []
         self.completed = False  # the timeline ran to its end, shutdown included
         self.t0 = time.monotonic()
-        self._store: Any = None  # the run's TCPStore while it runs
+        self._store: Any = None  # the run's TCPStore while it runs, where this process hosts it
+        self._store_port: int | None = None  # where the ranks find it (a child of the zygote hosts it, if there is one)
         # who starts rank processes: this host, or torchrun's slots
         self.launcher = launcher or LocalLauncher()
 
@@ -254,13 +259,14 @@ class RealCluster:
         return RealGroup(name, list(members))
 
     def spawn_worker(self, pid: int, group, rank: int, placement: Placement | None) -> RankProcess:
+        assert self._store_port is not None  # (run() opened the store before the engine started any rank)
         cfg = RankConfig(
             pid=pid,
             parent=os.getpid(),
             scenario=self.scenario.model_dump(mode="json"),
             strategy=self.strategy,
             device=self._device_of(pid),
-            store=(self.launcher.store_host, self._store.port),
+            store=(self.launcher.store_host, self._store_port),
             group=group,
             placement=placement,
             timeout_s=self.timeout_s,
@@ -361,9 +367,11 @@ class RealCluster:
         self.record("process.exit", pid=pid, code=w.proc.exitcode)
 
     def rocm(self) -> bool:
+        if self.device != "cuda":
+            return False  # (without importing torch, which a run on host memory does not need in this process)
         import torch
 
-        return self.device == "cuda" and getattr(torch.version, "hip", None) is not None
+        return getattr(torch.version, "hip", None) is not None
 
     def reconfigured(self, members: list[int]) -> None:
         self.record("engine.reconfigured", members=list(members))
@@ -424,8 +432,6 @@ class RealCluster:
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
-        from torch.distributed import TCPStore
-
         env = LOOPBACK_ENV if self.launcher.loopback else {"NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
         saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update({k: v for k, v in env.items() if k not in os.environ or k == "OMP_NUM_THREADS"})
@@ -433,14 +439,19 @@ class RealCluster:
             signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
         )
         try:
-            self._store = TCPStore(
-                self.launcher.store_host,
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-            )
             self.launcher.open(self.scenario)
+            self._store_port = self.launcher.store_port(self.timeout_s)
+            if self._store_port is None:
+                from torch.distributed import TCPStore
+
+                self._store = TCPStore(
+                    self.launcher.store_host,
+                    0,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                )
+                self._store_port = self._store.port
             self.timeline.engine()
         finally:
             self.stop_all()

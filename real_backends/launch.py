@@ -200,6 +200,7 @@ class _Zygote:
         self._cond = threading.Condition()
         self._started: list[int] = []
         self._exits: dict[int, int] = {}
+        self._store: int | None | bool = False  # the store's port once the zygote answered (None: it could not)
         self._gone = False
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -238,6 +239,8 @@ class _Zygote:
                     self.usable, self.why = False, msg[1]
                 elif msg[0] == "started":
                     self._started.append(msg[1])
+                elif msg[0] == "store":
+                    self._store = msg[1]
                 elif msg[0] == "exit":
                     self._exits[msg[1]] = msg[2]
                 self._cond.notify_all()
@@ -257,6 +260,17 @@ class _Zygote:
                 return None
             self._cond.wait_for(lambda: self._started or self._gone or not self.usable)
             return self._started.pop(0) if self._started else None
+
+    def store(self, host: str, timeout_s: float) -> int | None:
+        """The port of a rendezvous store that a child of the zygote hosts for the run, or None."""
+        with self._send_lock, self._cond:
+            try:
+                self.sock.send(pickle.dumps(("store", host, timeout_s)))
+            except OSError:
+                return None
+            self._cond.wait_for(lambda: self._store is not False or self._gone or not self.usable)
+            port, self._store = self._store, False
+            return port if isinstance(port, int) and not isinstance(port, bool) else None
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:
@@ -338,6 +352,12 @@ class LocalLauncher:
 
         if wanted():  # started now, so that its imports overlap the run's own set-up
             self._zygotes.append(_Zygote(child_env()))
+
+    def store_port(self, timeout_s: float) -> int | None:
+        """The port of the run's rendezvous store where the zygote hosts it (its ranks' groups meet there), or None:
+        the run then hosts the store itself."""
+        zygote = self._zygote()
+        return zygote.store(self.store_host, timeout_s) if zygote is not None else None
 
     def close(self) -> None:
         zygotes, self._zygotes = self._zygotes, []
@@ -492,6 +512,10 @@ class TorchrunLauncher:
         self._free: list[tuple[Connection, dict[str, Any]]] = []
         self._started: list[_Slot] = []
         self._own: subprocess.Popen | None = None
+
+    def store_port(self, timeout_s: float) -> None:
+        """Slot 0 hosts the run's store itself (the slots are not its children)."""
+        return None
 
     def open(self, scenario) -> None:
         processes = processes_needed(scenario)

@@ -15,6 +15,10 @@ from fakes.conformance.backend import PATTERN, Backend, Peer, peer_command
 # Where the real library lives, in the order we try: the meta package maps nixl._api to whichever variant is
 # installed; the variants can also be imported directly.
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13", "nixl_rocm", "rixl")
+# The same, variants first: for a process that only checks that a real NIXL imports.  The meta package picks its
+# variant by the CUDA version torch was built with, and on a CPU build of torch it learns that by importing torch
+# (2.5 s of CPU on a 2-core machine), which a run's parent process does not otherwise need.
+VARIANTS_FIRST = NIXL_MODULES[1:] + NIXL_MODULES[:1]
 
 
 # nixl._api builds every agent's config with pthrDelay = 0: its progress thread polls the UCX workers without a
@@ -69,10 +73,11 @@ def apply_progress_delay(bindings: Any) -> int:
     return delay
 
 
-def import_real_nixl() -> tuple[Any, Any, str]:
-    """(``_api``, ``_bindings``, package name) of the real NIXL, or NixlUnavailable naming what was tried."""
+def import_real_nixl(order: tuple[str, ...] = NIXL_MODULES) -> tuple[Any, Any, str]:
+    """(``_api``, ``_bindings``, package name) of the real NIXL, or NixlUnavailable naming what was tried (in
+    ``order``)."""
     errors = []
-    for name in NIXL_MODULES:
+    for name in order:
         try:
             api = importlib.import_module(f"{name}._api")
             bindings = importlib.import_module(f"{name}._bindings")
@@ -93,7 +98,7 @@ def require_real(device: str) -> None:
     if device not in ("cpu", "cuda"):
         raise ScenarioError(f"--device {device!r}: use cpu or cuda")
     try:
-        import_real_nixl()
+        import_real_nixl(VARIANTS_FIRST)
     except NixlUnavailable as exc:
         raise BackendUnavailable(str(exc)) from None
     progress_delay_us()  # a bad value is one line here, not a crash in every rank

@@ -16,8 +16,10 @@ Protocol, on a ``SOCK_SEQPACKET`` socket pair (one pickled message per packet): 
 ``("started", os_pid)``, and ``("exit", os_pid, code)`` once it has reaped a child (``code`` as
 ``Popen.returncode``: ``-N`` for signal N); ``("kill", os_pid)`` SIGKILLs a child it has not reaped yet (it is the
 child's parent, so the pid cannot belong to another process before that).  The zygote first says ``("ready",)``, or
-``("unusable", why)`` and exits.  It dies with the run's process and every rank with it (``PR_SET_PDEATHSIG``),
-so a killed run leaves nothing behind; a ^C reaches the run, which stops its ranks itself.
+``("unusable", why)`` and exits.  ``("store", host, timeout_s)`` forks a child that hosts the run's rendezvous
+store; the zygote answers ``("store", port, os_pid)`` (``port`` None if it could not listen).  It dies with the
+run's process and every rank with it (``PR_SET_PDEATHSIG``), so a killed run leaves nothing behind; a ^C reaches
+the run, which stops its ranks itself.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+from typing import NoReturn
 
 from .rank import _die_with_parent
 
@@ -122,6 +125,7 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
             if msg[1] in children:
                 os.kill(msg[1], signal.SIGKILL)
             continue
+        store = msg[0] == "store"
         threads = _threads()
         if threads != 1:  # never fork with a second thread, whose locks the child would inherit held; the
             for fd in fds:  # ranks already forked go on (an exit would take them with it)
@@ -130,22 +134,55 @@ def serve(ctrl: socket.socket) -> tuple[int, str] | None:
                 return None
             continue
         me = os.getpid()
+        port_r, port_w = os.pipe() if store else (-1, -1)
         pid = os.fork()
         if pid == 0:
             _die_with_parent(me)  # from the first instant: a zygote that dies takes every rank with it
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
             for fd in (wake_r, wake_w):
                 os.close(fd)
             ctrl.close()
+            if store:
+                os.close(port_r)
+                _host_store(msg[1], msg[2], port_w)  # never returns
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
             os.chdir(msg[1])
             return fds[0], msg[1]
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        if not _tell(ctrl, ("started", pid)):
+        if store:
+            os.close(port_w)
+            with os.fdopen(port_r) as answer:
+                port = answer.read().strip()  # empty: it could not listen, and exits (reported as any child's)
+            if not _tell(ctrl, ("store", int(port) if port else None, pid)):
+                return None
+        elif not _tell(ctrl, ("started", pid)):
             return None
+
+
+def _host_store(host: str, timeout_s: float, port_w: int) -> NoReturn:
+    """A forked child that serves the run's rendezvous store (torch's TCPStore) until the zygote ends: the ranks
+    open their gloo groups through it.  Here rather than in the run's own process, which would otherwise import
+    torch for nothing else (2.5 s of CPU per run on a 2-core machine); the store's server thread is this child's,
+    so the zygote still forks with one thread."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    try:
+        server = TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        os.write(port_w, str(server.port).encode())
+    except Exception as exc:  # noqa: BLE001 - the run hosts the store itself, and meets the error there
+        print(f"epsim zygote: cannot host the store: {exc}", file=sys.stderr)
+        os._exit(1)
+    finally:
+        os.close(port_w)
+    while True:
+        signal.pause()
 
 
 def main(ctrl_fd: int, parent: int) -> None:
