@@ -79,14 +79,10 @@ def judge(
                     oracles.stuck(detail)
             elif kind == "worker.exit":
                 leaked.update((c, len(oracles.live[c])) for c in fields.get("leaked", ()) if c in oracles.live)
-            elif kind == "engine.reconfigured":
-                oracles.reconfiguration_complete(fields["members"])
             elif kind == "deep_ep.leak":  # DeepEP's warning, seen on the rank's stdout (real_backends/rank.py)
                 oracles.buffer_leaked(fields["pid"], fields["team"], len(history) - 1, clock[0])
-            elif kind == "all2all.checked":
-                oracles.all2all_checked(fields["pid"], fields["problem"])
-            elif kind == "eplb.checked" and fields["count"]:
-                oracles.weights_checked(fields["pid"], fields["problems"] * fields["count"])
+            else:  # to the checkers that read it (engine.reconfigured, eplb.checked, all2all.checked)
+                oracles.on_event(kind, fields)
     for detail in waits:  # none left unless a record was lost
         oracles.stuck(detail)
     if completed and not oracles.problems:
