@@ -21,7 +21,7 @@ from typing import Any
 
 
 def _plain_loop(specs, answer) -> None:
-    from sim.sweep import execute
+    from sim.lab.sweep import execute
 
     started = time.perf_counter()
     for spec in specs:
@@ -53,8 +53,8 @@ def _plain(specs) -> float:
 
 
 def _through(specs, engine) -> float:
-    from sim import resultsdb
-    from sim.sweep import run_sweep
+    from sim.lab import resultsdb
+    from sim.lab.sweep import run_sweep
 
     with tempfile.TemporaryDirectory() as tmp, resultsdb.ResultsDB(Path(tmp) / "bench.db") as db:
         started = time.perf_counter()
@@ -69,8 +69,8 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
     factor of two within an hour (docs/performance.md), and arms run one after the other once each took whatever
     speed their moment had.  ``runs`` per arm and pass (default 1,000; 200 with ``quick``); Ray, when installed and
     ``ray``, once after them."""
-    from sim import executors
-    from sim.sweep import plan
+    from sim.lab import executors
+    from sim.lab.sweep import plan
 
     # About half a minute of runs per arm and pass: the engines' worker start-up (a second or two of imports) counts
     # as machinery, and a sweep that long already amortises it as longer ones do.  (200 runs were that long until a
@@ -119,7 +119,7 @@ def throughput(quick: bool = False, runs: int | None = None, ray: bool = True) -
 def _first_detection(strategy: str, seeds: range) -> tuple[int | None, Any]:
     """(seeds run until detection, the detecting spec) or (None, None) if none in ``seeds`` detects."""
     from benchmarks.strategies import CAREFUL
-    from sim.sweep import RunSpec, execute, plan
+    from sim.lab.sweep import RunSpec, execute, plan
 
     template = plan("elastic-cycle", range(1), [strategy], swarm=True)[0]
     for i, seed in enumerate(seeds, 1):
@@ -135,7 +135,7 @@ def _first_detection(strategy: str, seeds: range) -> tuple[int | None, Any]:
 
 def time_to_detect(quick: bool = False) -> dict[str, Any]:
     from benchmarks.strategies import BROKEN
-    from sim import bundle, shrink
+    from sim.lab import bundle, shrink
 
     trials = 3 if quick else 7
     limit = 60

@@ -537,8 +537,8 @@ def sweep(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object at the end"),
 ) -> None:
     """Run SCENARIO for every seed x strategy x profile, store each run, bundle each new failure signature."""
-    from . import executors, resultsdb
-    from . import sweep as sweep_mod
+    from .lab import executors, resultsdb
+    from .lab import sweep as sweep_mod
     from .progress import SweepProgress
 
     specs = sweep_mod.plan(scenario, sweep_mod.parse_seeds(seeds), strategy, profile, fault, swarm)
@@ -612,7 +612,7 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run a failure bundle again: exit 0 if it gives the same signature and trace hash, 1 if not."""
-    from . import bundle as bundle_mod
+    from .lab import bundle as bundle_mod
 
     if out is not None:
         if Path(out).resolve() == Path(bundle).resolve():  # the bundle's own history would give way to the replay's
@@ -671,13 +671,13 @@ def shrink(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Minimise a failure bundle (faults, elastic events, ranks, layers, steps) keeping its failure signature."""
-    from . import shrink as shrink_mod
+    from .lab import shrink as shrink_mod
 
     def show(change: str, kept: bool) -> None:
         if not as_json:
             typer.echo(f"  {'removed' if kept else 'kept   '} {change}")
 
-    from . import bundle as bundle_mod
+    from .lab import bundle as bundle_mod
 
     bundle_mod.load(bundle)  # a folder that is not a bundle costs one line here, not after the --out checks
     # Checked, not made: the shrunk bundle's folder appears only when there is a bundle to put in it.
@@ -735,8 +735,8 @@ def report(
 
     from rich.console import Console
 
-    from . import report as report_mod
-    from . import resultsdb
+    from .lab import report as report_mod
+    from .lab import resultsdb
     from .errors import BackendUnavailable
 
     with resultsdb.open_existing(db) as database:  # first: a path that is no database is one line

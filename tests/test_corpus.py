@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sim import bundle
+from sim.lab import bundle
 
 CORPUS = Path(__file__).parent / "corpus"
 BUNDLES = sorted(p for p in CORPUS.iterdir() if (p / "failure.json").is_file()) if CORPUS.is_dir() else []

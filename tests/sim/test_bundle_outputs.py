@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim import bundle
+from sim.lab import bundle
 from tests.conftest import epsim, epsim_here
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
@@ -206,8 +206,8 @@ def test_run_out_with_a_directory_where_a_file_goes_is_refused_before_the_run(tm
 def test_a_signature_another_sweep_bundled_meanwhile_is_not_bundled_again(tmp_path: Path) -> None:
     """Two sweeps on one database: the second learns of the first's bundle when its own run fails the same way,
     not only when it starts (else both bundle every signature)."""
-    from sim import resultsdb
-    from sim import sweep as sweep_mod
+    from sim.lab import resultsdb
+    from sim.lab import sweep as sweep_mod
 
     specs = sweep_mod.plan("scale-down", range(2), ["shared-agent"])  # stale_peer on every seed
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sim import bundle, crash, shrink
-from sim import sweep as sweep_mod
+from sim import crash
+from sim.lab import bundle, shrink
+from sim.lab import sweep as sweep_mod
 from sim.run import run_scenario, same_signature
 from sim.scenario import load
 from tests.conftest import epsim_here

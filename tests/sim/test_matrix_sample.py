@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import MATRIX_STRATEGIES, SCENARIOS, run_matrix
+from sim.lab.matrix import MATRIX_STRATEGIES, SCENARIOS, run_matrix
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 PROFILES = ("dram", "rocm-strict")
@@ -42,7 +42,7 @@ def test_the_sampled_cells_are_the_documented_ones(cells) -> None:
         if (c.short, str(c.result.metrics.get("duplicate_registrations", 0)))
         != rows.get((c.scenario, c.strategy, c.profile))
     ]
-    assert not stale, f"docs/results.md is stale (python -m sim.matrix > docs/results.md): {stale}"
+    assert not stale, f"docs/results.md is stale (python -m sim.lab.matrix > docs/results.md): {stale}"
 
 
 def test_async_eplb_gives_the_sampled_cells_the_same_verdict(cells) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim import executors
-from sim import sweep as sweep_mod
+from sim.lab import executors
+from sim.lab import sweep as sweep_mod
 
 pytest.importorskip("ray", reason="the Ray engine needs the ray extra (pip install 'epsim[ray]')")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim import bundle, report, resultsdb, shrink
+from sim.lab import bundle, report, resultsdb, shrink
 from sim.scenario import load
 
 PCA = "per-communicator-agent"
@@ -252,7 +252,7 @@ def test_report_refuses_an_empty_file_or_another_sqlite_database_and_leaves_them
 def test_a_results_database_of_another_schema_is_refused_by_report_and_sweep(tmp_path: Path) -> None:
     import sqlite3
 
-    from sim import resultsdb
+    from sim.lab import resultsdb
 
     path = tmp_path / "old.db"
     with resultsdb.ResultsDB(path):

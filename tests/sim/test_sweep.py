@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sim import bundle, executors, resultsdb, swarm
-from sim import sweep as sweep_mod
+from sim.lab import bundle, executors, resultsdb, swarm
+from sim.lab import sweep as sweep_mod
 from sim.errors import ScenarioError
 from sim.scenario import load
 from tests.conftest import epsim, epsim_here, sigint_at_default
@@ -252,7 +252,7 @@ def test_a_sweep_leaves_a_sqlite_file_of_something_else_as_it_was(tmp_path: Path
 
 def test_a_plot_that_cannot_be_written_keeps_the_earlier_one_and_the_summary_is_printed(tmp_path: Path) -> None:
     """(A full disk, made here by a folder where the plot is written first.)"""
-    from sim.report import PLOTS
+    from sim.lab.report import PLOTS
 
     db = tmp_path / "r.db"
     assert epsim("sweep", "steady", "--seeds", "0:2", "--db", str(db)).returncode == 0

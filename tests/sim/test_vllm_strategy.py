@@ -291,7 +291,7 @@ def test_peers_late_for_prepares_collective_are_liveness_however_wrapped(release
 def test_a_sweep_bundle_of_vllms_code_replays(tmp_path, released) -> None:
     """A failure found in vLLM's code by a sweep (worker processes, each loading vLLM afresh) replays from its
     bundle with the same signature and trace hash."""
-    from sim import bundle
+    from sim.lab import bundle
     from tests.conftest import epsim
 
     db, bundles = tmp_path / "r.db", tmp_path / "bundles"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.matrix import (
+from sim.lab.matrix import (
     GC_FAULTS,
     LATER,
     MATRIX_STRATEGIES,
@@ -227,7 +227,7 @@ def test_docs_results_is_current(cells, deep_cells, stream_cells, later_cells) -
         + "\n"
         + render_stream_lag(stream_cells)
     )
-    assert DOC.read_text() == expected, "docs/results.md is stale: python -m sim.matrix > docs/results.md"
+    assert DOC.read_text() == expected, "docs/results.md is stale: python -m sim.lab.matrix > docs/results.md"
 
 
 def test_vllm_0_33_0s_own_code_agrees_with_its_model_on_every_cell(cells) -> None:

@@ -412,7 +412,7 @@ def test_a_conformance_run_that_overruns_is_one_error() -> None:
 def test_a_bug_in_the_engine_is_an_internal_error_not_a_verdict(monkeypatch) -> None:
     """An exception in epsim's own engine must not read as the code under test crashing (verdict crash, exit 1,
     and a sweep bundling it as a new failure): it is one line, exit 3; a sweep records an error row."""
-    from sim import sweep as sweep_mod
+    from sim.lab import sweep as sweep_mod
     from sim.eplb import policy
 
     def broken(*args, **kwargs):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BackendUnavailable, BadOutput, prog
-from .outputs import write_replacing
+from ..errors import BackendUnavailable, BadOutput, prog
+from ..outputs import write_replacing
 
 
 def site(fault: str) -> str:

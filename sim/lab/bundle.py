@@ -21,11 +21,11 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__
-from . import faults as fault_catalogue
-from . import scenario as scenario_mod
-from .errors import EpsimError, one_line, validation_line
-from .outputs import RUN_FILES
+from .. import __version__
+from .. import faults as fault_catalogue
+from .. import scenario as scenario_mod
+from ..errors import EpsimError, one_line, validation_line
+from ..outputs import RUN_FILES
 
 FORMAT = 1
 
@@ -101,7 +101,7 @@ def write_config(
     """Run the configuration once more with its history written into ``path``, then write failure.json; returns
     the run's :class:`~sim.run.Result`.  A bundle already at ``path`` has its own files replaced; nothing else there
     is removed (the commands check the folder first, :func:`sim.outputs.bundle_dir`)."""
-    from .run import run_scenario
+    from ..run import run_scenario
 
     path.mkdir(parents=True, exist_ok=True)
     bare = scenario_mod.with_overrides(sc, faults=[])
@@ -261,7 +261,7 @@ class Replay:
 
     @property
     def same_signature(self) -> bool:
-        from .run import same_signature
+        from ..run import same_signature
 
         return same_signature(self.bundle.expected["signature"], self.result.signature)
 
@@ -293,7 +293,7 @@ class Replay:
 
 def replay(path: str | Path, out: str | Path | None = None) -> Replay:
     b = load(path)  # before the simulation (and torch) is imported: a bad bundle is one line at once
-    from .run import run_scenario
+    from ..run import run_scenario
 
     c = b.config
     result = run_scenario(

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from . import faults as fault_catalogue
-from . import scenario as scenario_mod
-from .errors import ScenarioError, refuse_empty
+from .. import faults as fault_catalogue
+from .. import scenario as scenario_mod
+from ..errors import ScenarioError, refuse_empty
 
 SIM_VERDICTS = ("pass", "safety", "liveness", "crash")  # what a simulated run can be judged
 RUN_FAILURES = ("error", "timeout", "worker_crash")  # what can happen to the run itself
@@ -85,7 +85,7 @@ def plan(
     """Every run of the sweep, in a fixed order (seed-major, so early results cover every configuration)."""
     from fakes.nixl.profiles import PROFILES
 
-    from .eplb.communicators import plugins
+    from ..eplb.communicators import plugins
 
     sc = scenario_mod.load(scenario_ref)
     text = scenario_mod.to_yaml(sc)
@@ -131,7 +131,7 @@ def armed_faults(spec: RunSpec, sc) -> list[fault_catalogue.Armed]:
 
 def execute(spec: RunSpec, out: str | Path | None = None) -> dict[str, Any]:
     """Run ``spec`` and return its database row.  Anything the harness itself raises is an ``error`` row."""
-    from .run import run_scenario
+    from ..run import run_scenario
 
     started = time.perf_counter()
     try:

@@ -12,7 +12,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from .errors import EpsimError
+from ..errors import EpsimError
 
 SCHEMA_VERSION = 1
 

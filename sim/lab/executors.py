@@ -1,6 +1,6 @@
 """Where a sweep's runs execute: worker processes on this machine, or a Ray cluster.
 
-Both engines take :class:`~sim.sweep.RunSpec` s and yield database rows in the order runs finish.  A run that takes
+Both engines take :class:`~sim.lab.sweep.RunSpec` s and yield database rows in the order runs finish.  A run that takes
 its worker process down (a segfault, ``os._exit``, the OOM killer) is a ``worker_crash`` row, one that runs past the
 timeout is killed and is a ``timeout`` row, and the sweep goes on with a fresh worker in both cases.
 
@@ -26,18 +26,18 @@ from collections import deque
 from multiprocessing.connection import wait
 from typing import Any, Iterable, Iterator
 
-from .errors import BackendUnavailable, ScenarioError
+from ..errors import BackendUnavailable, ScenarioError
 from .sweep import RunSpec, execute, failed_row
 
 
 def _worker_main(conn) -> None:
     import atexit
 
-    from . import quiet
+    from .. import quiet
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     atexit.register(quiet.for_good)  # what leaked runs' finalizers log at exit is in their histories
-    from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before any run's clock starts
+    from .. import run  # noqa: F401 - the simulator's imports (torch: seconds), before any run's clock starts
 
     while True:
         try:
@@ -94,7 +94,7 @@ class _Worker:
 
 
 # What the fork server imports before it forks a worker: the simulator, as a worker's first run would.
-PRELOAD = ["sim.executors", "sim.run"]
+PRELOAD = ["sim.lab.executors", "sim.run"]
 
 
 def _context():
@@ -297,7 +297,7 @@ class _RayRun:
 
 def _ray_execute(spec: RunSpec) -> Iterator[Any]:
     """The Ray task: the simulator's imports, BEGIN, then the run's row."""
-    from . import run  # noqa: F401 - the simulator's imports (torch: seconds), before the run's clock starts
+    from .. import run  # noqa: F401 - the simulator's imports (torch: seconds), before the run's clock starts
 
     yield BEGIN
     yield execute(spec)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import bundle as bundle_mod
-from . import scenario as scenario_mod
-from .errors import ScenarioError
+from .. import scenario as scenario_mod
+from ..errors import ScenarioError
 
 
 @dataclass
@@ -127,7 +127,7 @@ def shrink(
 ) -> ShrinkResult:
     """Shrink the bundle at ``path``; the smallest failing configuration is written as a new bundle at ``out``
     (default: the bundle's folder with ``-shrunk`` appended)."""
-    from .run import run_scenario, same_signature
+    from ..run import run_scenario, same_signature
 
     b = bundle_mod.load(path)
     c = b.config

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import faults as catalogue
-from .rng import Streams
+from .. import faults as catalogue
+from ..rng import Streams
 
 ACTIVATION = 0.3  # chance that a site is armed in a run
 
