@@ -19,6 +19,7 @@ combine kernels are built for bf16 alone), and for low latency a hidden size its
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable
 
@@ -32,6 +33,13 @@ TOKENS = 4
 TOPK = 2
 MAX_TOKENS = 8  # num_max_dispatch_tokens_per_rank of the low-latency path
 EXPERTS_PER_RANK = 2
+
+
+def nvl_bytes() -> int:
+    """The NVLink buffer of a high-throughput manager, as vLLM sizes it: ``VLLM_DEEPEP_BUFFER_SIZE_MB`` (1024 by
+    default) MiB.  DeepEP's intranode dispatch refuses a buffer its queues do not fit (at 4 ranks and the default
+    config, 10 channels x 4 ranks x 256 tokens of every row): a 1 MiB buffer of 128-wide bf16 rows asserts."""
+    return int(os.environ.get("VLLM_DEEPEP_BUFFER_SIZE_MB", "1024")) * 1024 * 1024
 
 
 class DeepEPAll2AllManager:
@@ -56,7 +64,7 @@ class DeepEPAll2AllManager:
                 "num_qps_per_rank": EXPERTS_PER_RANK,
                 "explicitly_destroy": self.explicitly_destroy,
             }
-        return {"group": self.group, "num_nvl_bytes": 1 << 20, "explicitly_destroy": self.explicitly_destroy}
+        return {"group": self.group, "num_nvl_bytes": nvl_bytes(), "explicitly_destroy": self.explicitly_destroy}
 
     def get_handle(self) -> Any:
         import deep_ep

@@ -215,6 +215,19 @@ def ht_dispatch_combine(ctx: Ctx):
     return out
 
 
+@case(["ok", "RuntimeError", "ok"], ranks=2)
+def ht_dispatch_needs_room_for_its_queues(ctx: Ctx):
+    """A buffer is made at any aligned size, but an intranode dispatch asserts on the host, before any kernel, when its
+    queues do not fit ``num_nvl_bytes`` (``num_sms / 2`` channels x ranks x ``num_max_nvl_chunked_recv_tokens`` rows
+    with their indices and weights): 1 MiB is too small for 256-wide bf16 rows at the default config, whatever the
+    tokens sent.  The buffer is then destroyed as usual."""
+    made: list[Any] = []
+    out = [_outcome(lambda: made.append(ctx.Buffer(ctx.group, num_nvl_bytes=1 << 20, explicitly_destroy=True)))]
+    out.append(_outcome(lambda: _ht_round(ctx, made[0])))
+    out.append(_outcome(made[0].destroy))
+    return out
+
+
 @case([{"waited": True}, {"waited": False}], ranks=2, per_rank=True)
 def destroy_waits_for_every_rank(ctx: Ctx):
     """``destroy()`` is collective (a device barrier over the intranode ranks): a rank that destroys first returns
@@ -315,10 +328,11 @@ def constructor_asserts(ctx: Ctx):
 
 
 # -- one rank --------------------------------------------------------------------------------------------------------
-@case(["AssertionError", "RuntimeError"], ranks=1)
+@case(["AssertionError", "RuntimeError", "RuntimeError"], ranks=1)
 def one_rank_high_throughput(ctx: Ctx):
     """An intranode buffer of one rank is made, but its dispatch without a ``config`` asserts (no recommended config
-    for one rank), and a low-latency call on it asserts ``low_latency_mode``."""
+    for one rank), a low-latency call on it asserts ``low_latency_mode``, and ``destroy()`` asserts too: its barrier is
+    a kernel built for 2, 4 or 8 ranks ("Unsupported ranks"), so the buffer is never freed."""
     buf = _ht(ctx, explicitly_destroy=True)
     idx = torch.zeros(2, 1, dtype=torch.int64, device=ctx.device)
     x = torch.zeros(2, 256, dtype=torch.bfloat16, device=ctx.device)
@@ -335,8 +349,8 @@ def one_rank_high_throughput(ctx: Ctx):
             )
         ),
         _outcome(lambda: buf.low_latency_dispatch(x, idx, 16, 2)),
+        _outcome(buf.destroy),
     ]
-    buf.destroy()
     return out
 
 

@@ -34,8 +34,13 @@ from ._team import DeepEPTimeout, Team
 NUM_MAX_NVL_PEERS = 8
 NUM_MAX_RDMA_PEERS = 20
 NUM_BUFFER_ALIGNMENT_BYTES = 128
-# The EP sizes DeepEP's get_dispatch_config / get_combine_config have a recommended config for (deep_ep/buffer.py).
-CONFIG_EP_SIZES = frozenset({2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
+# The recommended configs of DeepEP v1.2.1's get_dispatch_config / get_combine_config (deep_ep/buffer.py), for the
+# few EP sizes it has one for: EP size -> num_max_nvl_chunked_recv_tokens (the same in both maps).
+CONFIG_NVL_RECV_TOKENS = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+CONFIG_EP_SIZES = frozenset(CONFIG_NVL_RECV_TOKENS)
+# The NVLink rank counts the intranode kernels are built for (SWITCH_RANKS in csrc/kernels/launch.cuh): dispatch,
+# combine, and the barrier that destroy() runs.
+NVL_KERNEL_RANKS = frozenset({2, 4, 8})
 # The hidden sizes the low-latency kernels are built for (SWITCH_HIDDEN in csrc/kernels/launch.cuh).
 LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})
 CONSTRUCTING, AVAILABLE, DESTROYING, DESTROYED, LEAKED, POISONED = (
@@ -348,6 +353,31 @@ class Buffer:
         if config is None:
             assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
 
+    def _nvl_ranks(self) -> None:
+        """The intranode notify kernels are built for 2, 4 or 8 ranks."""
+        if self.group_size <= NUM_MAX_NVL_PEERS:
+            _assert(self.group_size in NVL_KERNEL_RANKS, 'false and "Unsupported ranks"', f"{self.group_size} ranks")
+
+    def _nvl_fits(self, what: str, config: Any, per_token: int, fixed: int, prefix: int = 0) -> None:
+        """The intranode kernels' host assertion that their queues fit the NVLink buffer: ``prefix`` bytes, ``fixed``
+        bytes per channel and rank, and ``per_token`` bytes for each of the ``num_max_nvl_chunked_recv_tokens`` a
+        channel queues per rank (csrc/deep_ep.cpp; ``num_sms / 2`` channels).  A buffer sized too small for the rows
+        it carries is refused at the first dispatch, whatever the tokens sent."""
+        if self.group_size > NUM_MAX_NVL_PEERS:
+            return  # the internode kernels size their queues differently: not modelled
+        if config is None:
+            sms, recv_tokens = Buffer.num_sms, CONFIG_NVL_RECV_TOKENS[self.group_size]
+        else:
+            sms, recv_tokens = config.num_sms, config.num_max_nvl_chunked_recv_tokens
+        channels, ranks = sms // 2, self.group_size
+        need = prefix + channels * ranks * (fixed + recv_tokens * per_token)
+        _assert(
+            need <= self.num_nvl_bytes,
+            f"{what} queues <= num_nvl_bytes",
+            f"{channels} channels x {ranks} ranks x {recv_tokens} tokens need {need} bytes, the buffer has "
+            f"{self.num_nvl_bytes}",
+        )
+
     def dispatch(
         self,
         x: Any,
@@ -376,6 +406,19 @@ class Buffer:
                 "dispatch needs topk_idx, is_token_in_rank and num_tokens_per_expert (from get_dispatch_layout)"
             )
         num_experts = int(num_tokens_per_expert.numel())
+        ranks = self.group_size
+        _assert(
+            ranks * (ranks + num_experts // ranks) * 4 <= self.num_nvl_bytes,
+            "num_ranks * (num_ranks + num_local_experts) * sizeof(int) <= num_nvl_bytes",
+            f"{self.num_nvl_bytes} bytes",
+        )
+        self._nvl_ranks()
+        topk = int(topk_idx.shape[1])
+        # the rank-by-rank size prefix; per channel and rank: start and end offsets, queue head and tail; per queued
+        # token: the row, its source index, its top-k indices (int64) and weights (float)
+        self._nvl_fits(
+            "dispatch", config, int(x.shape[1]) * x.element_size() + 4 + topk * 12, 4 * 4, prefix=ranks * ranks * 4
+        )
         mine = (
             x.detach().clone(),
             topk_idx.clone(),
@@ -427,6 +470,10 @@ class Buffer:
                 "Failed: Assertion error csrc/kernels/intranode.cu: 'false and \"Unsupported type\"' "
                 f"(combine of {x.dtype})"
             )
+        self._nvl_ranks()
+        topk = 0 if topk_weights is None else int(topk_weights.shape[1])
+        # per channel and rank: queue head and tail; per queued token: the row, its source index, its top-k weights
+        self._nvl_fits("combine", config, int(x.shape[1]) * x.element_size() + 4 + topk * 4, 2 * 4)
         mine = (
             x.detach().clone(),
             None if topk_weights is None else topk_weights.clone(),
@@ -649,7 +696,16 @@ class Buffer:
         self._destroy()
 
     def _destroy(self) -> None:
-        """The C++ ``destroy()``: a device barrier over every rank, free, then (RDMA) NVSHMEM barrier and finalize."""
+        """The C++ ``destroy()``: a device barrier over every rank, free, then (RDMA) NVSHMEM barrier and finalize.
+        The barrier of an NVLink buffer is a kernel built for 2, 4 or 8 ranks: on any other count it asserts before
+        anything is freed, and the buffer stays (its destructor then warns, with ``explicitly_destroy``)."""
+        if self.num_nvl_bytes > 0:
+            nvl_ranks = min(self.group_size, NUM_MAX_NVL_PEERS)
+            if nvl_ranks not in NVL_KERNEL_RANKS:
+                raise RuntimeError(
+                    "Failed: Assertion error csrc/kernels/runtime.cu: 'false and \"Unsupported ranks\"' "
+                    f"(the destroy barrier of {nvl_ranks} NVLink ranks)"
+                )
         self.state = DESTROYING
         self._meet("destroy", None, lambda xs: [None] * len(xs), device_side=True)
         if self._nvshmem is not None:
