@@ -365,10 +365,11 @@ class Buffer:
         it carries is refused at the first dispatch, whatever the tokens sent."""
         if self.group_size > NUM_MAX_NVL_PEERS:
             return  # the internode kernels size their queues differently: not modelled
-        if config is None:
-            sms, recv_tokens = Buffer.num_sms, CONFIG_NVL_RECV_TOKENS[self.group_size]
-        else:
-            sms, recv_tokens = config.num_sms, config.num_max_nvl_chunked_recv_tokens
+        # (a config of the caller's without these fields is read as the recommended one)
+        sms = getattr(config, "num_sms", Buffer.num_sms)
+        recv_tokens = getattr(
+            config, "num_max_nvl_chunked_recv_tokens", CONFIG_NVL_RECV_TOKENS.get(self.group_size, 256)
+        )
         channels, ranks = sms // 2, self.group_size
         need = prefix + channels * ranks * (fixed + recv_tokens * per_token)
         _assert(

@@ -15,6 +15,8 @@ from sim.ranks import SimulatedRanks
 from sim.all2all import expert, local_experts, matches, reference
 
 HIDDEN = 2048  # a size DeepEP's low-latency kernels are built for
+# An intranode buffer as vLLM sizes it (VLLM_DEEPEP_BUFFER_SIZE_MB): DeepEP's dispatch asserts that its queues fit
+NVL_BYTES = 1 << 30
 
 
 def _inputs(n: int, tokens: int, experts: int, topk: int, seed: int):
@@ -42,7 +44,7 @@ def test_high_throughput_dispatch_combine_equals_thereference(n: int) -> None:
 
     def body(g):
         r = g.rank()
-        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        buf = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             xs[r],
@@ -121,7 +123,7 @@ def test_a_rank_that_never_dispatches_times_the_others_out_naming_it() -> None:
 
     def body(g):
         r = g.rank()
-        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        buf = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         if r == 2:
             return buf  # rank 2 goes on without dispatching
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 8)
@@ -174,10 +176,10 @@ def test_misuse_raises_what_deep_ep_raises() -> None:
     ranks = SimulatedRanks(2)
 
     def body(g):
-        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20)  # explicitly_destroy=False
+        buf = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES)  # explicitly_destroy=False
         with pytest.raises(AssertionError, match="explicitly_destroy"):
             buf.destroy()
-        strict = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        strict = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         strict.destroy()
         assert strict.state == deep_ep.DESTROYED and strict.runtime is None
         with pytest.raises(AttributeError):
@@ -202,7 +204,7 @@ def test_destructor_runs_the_collective_destroy_or_leaks_with_a_warning(capsys) 
 
     def body(g):
         default = deep_ep.Buffer(g, num_rdma_bytes=1 << 20, low_latency_mode=True)
-        strict = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        strict = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         kept.append((default.state, strict.state))
         world = deep_ep._nvshmem.worlds(kernel).of(g.rendezvous.pids[g.rank()])
         count_before = world.init_count
@@ -252,7 +254,7 @@ def test_intranode_high_throughput_never_touches_nvshmem() -> None:
     kernel = ranks.kernel
 
     def body(g):
-        deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True).destroy()
+        deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True).destroy()
         return deep_ep._nvshmem.worlds(kernel).of(g.rank()).history
 
     assert ranks.run(body) == [[]] * 8
@@ -265,7 +267,7 @@ def test_nvshmem_is_joined_only_with_rdma_bytes() -> None:
     kernel = ranks.kernel
 
     def body(g):
-        deep_ep.Buffer(g, num_nvl_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True).destroy()
+        deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, low_latency_mode=True, explicitly_destroy=True).destroy()
         joined_without = list(deep_ep._nvshmem.worlds(kernel).of(g.rank()).history)
         _ll_buffer(g).destroy()
         return joined_without, bool(deep_ep._nvshmem.worlds(kernel).of(g.rank()).history)
@@ -294,7 +296,7 @@ def test_the_fake_deep_ep_fixture_gives_ranks_and_the_import(fake_deep_ep) -> No
 
 def _ll_buffer(g, ht: bool = False):
     return deep_ep.Buffer(
-        g, num_nvl_bytes=(1 << 20) if ht else 0, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True
+        g, num_nvl_bytes=NVL_BYTES if ht else 0, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True
     )
 
 
@@ -409,7 +411,7 @@ def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_c
 
     def body(g):
         r = g.rank()
-        buf = deep_ep.Buffer(g, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+        buf = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 6)
         with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 3"):
             buf.dispatch(
@@ -420,16 +422,20 @@ def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_c
                 topk_idx=idxs[r],
                 topk_weights=ws[r],
             )
-        buf.dispatch(
-            xs[r],
-            num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=idxs[r],
-            topk_weights=ws[r],
-            config=object(),
-        )  # a config of the caller's: no check
-        buf.destroy()
+        # A config of the caller's passes that check, but the intranode kernels are built for 2, 4 or 8 ranks: the
+        # dispatch asserts, and so does destroy()'s barrier (the buffer is never freed).
+        with pytest.raises(RuntimeError, match="Unsupported ranks"):
+            buf.dispatch(
+                xs[r],
+                num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=idxs[r],
+                topk_weights=ws[r],
+                config=object(),
+            )
+        with pytest.raises(RuntimeError, match="Unsupported ranks"):
+            buf.destroy()
         return "ok"
 
     assert SimulatedRanks(3).run(body) == ["ok"] * 3
@@ -445,7 +451,7 @@ def test_any_nvshmem_finalize_releases_the_sub_rdma_team() -> None:
         ll: dict[str, Any] = {"num_rdma_bytes": 1 << 20, "low_latency_mode": True, "explicitly_destroy": True}
         leaked = deep_ep.Buffer(g, **ll)
         del leaked
-        other = deep_ep.Buffer(g2[g.rank()], num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20, explicitly_destroy=True)
+        other = deep_ep.Buffer(g2[g.rank()], num_nvl_bytes=NVL_BYTES, num_rdma_bytes=1 << 20, explicitly_destroy=True)
         other.destroy()
         deep_ep.Buffer(g3[g.rank()], **ll).destroy()
         return "ok"
@@ -525,7 +531,7 @@ def test_the_destructor_of_a_buffer_whose_exchange_failed_is_an_illegal_address(
         hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
         try:
             with pytest.raises(Exception):  # noqa: B017 - whatever the failed exchange raises; the destructor is tested
-                deep_ep.Buffer(g, num_nvl_bytes=1 << 20)
+                deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES)
             import gc
 
             gc.collect()
