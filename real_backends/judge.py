@@ -78,7 +78,8 @@ def judge(
                 if detail is not None:
                     oracles.stuck(detail)
             elif kind == "worker.exit":
-                leaked.update((c, len(oracles.live[c])) for c in fields.get("leaked", ()) if c in oracles.live)
+                live = oracles.model.live
+                leaked.update((c, len(live[c])) for c in fields.get("leaked", ()) if c in live)
             elif kind == "deep_ep.leak":  # DeepEP's warning, seen on the rank's stdout (real_backends/rank.py)
                 oracles.buffer_leaked(fields["pid"], fields["team"], len(history) - 1, clock[0])
             else:  # to the checkers that read it (engine.reconfigured, eplb.checked, all2all.checked)
@@ -108,8 +109,9 @@ def _ledger(oracles: Oracles, history: History, by_name: dict[str, str], kind: s
 def _process_gone(oracles: Oracles, history: History, pid: int) -> None:
     """A process that ended took its agents with it, also those a late finalizer or interpreter exit never
     destroyed (as the fake's ``kill_process`` does)."""
-    for conn in sorted(c for c in oracles.live if oracles.agent_pid.get(c) == pid):
-        f = {"conn": conn, "agent": oracles.agent_name.get(conn, conn), "pid": pid}
+    model = oracles.model
+    for conn in sorted(c for c in model.live if model.agent_pid.get(c) == pid):
+        f = {"conn": conn, "agent": model.name(conn), "pid": pid}
         history.record("nixl.agent.destroy", agent=f["agent"], pid=pid, why="process ended")
         oracles.on_fabric("agent.destroy", f)
 

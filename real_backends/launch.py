@@ -200,7 +200,7 @@ class _Zygote:
         self._cond = threading.Condition()
         self._started: list[int] = []
         self._exits: dict[int, int] = {}
-        self._store: int | None | bool = False  # the store's port once the zygote answered (None: it could not)
+        self._stores: list[int | None] = []  # the store ports the zygote answered (None: it could not listen)
         self._gone = False
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -240,7 +240,7 @@ class _Zygote:
                 elif msg[0] == "started":
                     self._started.append(msg[1])
                 elif msg[0] == "store":
-                    self._store = msg[1]
+                    self._stores.append(msg[1])
                 elif msg[0] == "exit":
                     self._exits[msg[1]] = msg[2]
                 self._cond.notify_all()
@@ -268,9 +268,8 @@ class _Zygote:
                 self.sock.send(pickle.dumps(("store", host, timeout_s)))
             except OSError:
                 return None
-            self._cond.wait_for(lambda: self._store is not False or self._gone or not self.usable)
-            port, self._store = self._store, False
-            return port if isinstance(port, int) and not isinstance(port, bool) else None
+            self._cond.wait_for(lambda: self._stores or self._gone or not self.usable)
+            return self._stores.pop(0) if self._stores else None
 
     def exitcode(self, pid: int) -> int | None:
         with self._cond:

@@ -267,8 +267,8 @@ CHECKERS: tuple[type, ...] = (
 )
 
 
-def dispatch(model: AgentModel, checkers: list[Any]) -> dict[str, list[Callable[[str, dict[str, Any]], None]]]:
-    """kind -> the handlers that read it, in :data:`CHECKERS` order (the model in its place)."""
+def dispatch(checkers: list[Any]) -> dict[str, list[Callable[[str, dict[str, Any]], None]]]:
+    """kind -> the handlers that read it, in the order of ``checkers`` (:data:`CHECKERS`, the model in its place)."""
     table: dict[str, list[Callable[[str, dict[str, Any]], None]]] = defaultdict(list)
     for checker in checkers:
         for kind in checker.kinds:

@@ -52,7 +52,7 @@ class Oracles:
         }
         self.model = AgentModel(self)
         checkers = [self.model if c is AgentModel else c(self.model, self) for c in CHECKERS]
-        self._handlers = dispatch(self.model, checkers)
+        self._handlers = dispatch(checkers)
         unregistered = next(c for c in checkers if isinstance(c, UnregisteredAccess))
         self.transfer_moved = unregistered.moved  # the simulated fabric's direct path for a transfer's bytes
 
@@ -63,23 +63,6 @@ class Oracles:
 
     def observed(self, kind: str, **fields: Any) -> None:
         self.history.record(kind, **fields)
-
-    # -- the model's state, for the real judge's bookkeeping -----------------------------------------------------
-    @property
-    def live(self):
-        return self.model.live
-
-    @property
-    def agent_pid(self) -> dict[str, int]:
-        return self.model.agent_pid
-
-    @property
-    def agent_name(self) -> dict[str, str]:
-        return self.model.agent_name
-
-    @property
-    def peers(self) -> dict[str, dict[str, str]]:
-        return self.model.peers
 
     # -- events ------------------------------------------------------------------------------------------------
     def on_fabric(self, kind: str, f: dict[str, Any]) -> None:

@@ -353,10 +353,14 @@ class Buffer:
         if config is None:
             assert self.group_size in CONFIG_EP_SIZES, f"Unsupported number of EP ranks: {self.group_size}"
 
-    def _nvl_ranks(self) -> None:
-        """The intranode notify kernels are built for 2, 4 or 8 ranks."""
-        if self.group_size <= NUM_MAX_NVL_PEERS:
-            _assert(self.group_size in NVL_KERNEL_RANKS, 'false and "Unsupported ranks"', f"{self.group_size} ranks")
+    def _nvl_kernel_ranks(self, where: str) -> None:
+        """The intranode kernels (notify, dispatch, combine, and the barrier that ``destroy()`` runs) are built for 2,
+        4 or 8 NVLink ranks: any other count asserts before the kernel is launched."""
+        nvl_ranks = min(self.group_size, NUM_MAX_NVL_PEERS)
+        if nvl_ranks not in NVL_KERNEL_RANKS:
+            raise RuntimeError(
+                f"Failed: Assertion error {where}: 'false and \"Unsupported ranks\"' ({nvl_ranks} NVLink ranks)"
+            )
 
     def _nvl_fits(self, what: str, config: Any, per_token: int, fixed: int, prefix: int = 0) -> None:
         """The intranode kernels' host assertion that their queues fit the NVLink buffer: ``prefix`` bytes, ``fixed``
@@ -413,7 +417,7 @@ class Buffer:
             "num_ranks * (num_ranks + num_local_experts) * sizeof(int) <= num_nvl_bytes",
             f"{self.num_nvl_bytes} bytes",
         )
-        self._nvl_ranks()
+        self._nvl_kernel_ranks("csrc/kernels/intranode.cu")
         topk = int(topk_idx.shape[1])
         # the rank-by-rank size prefix; per channel and rank: start and end offsets, queue head and tail; per queued
         # token: the row, its source index, its top-k indices (int64) and weights (float)
@@ -471,7 +475,7 @@ class Buffer:
                 "Failed: Assertion error csrc/kernels/intranode.cu: 'false and \"Unsupported type\"' "
                 f"(combine of {x.dtype})"
             )
-        self._nvl_ranks()
+        self._nvl_kernel_ranks("csrc/kernels/intranode.cu")
         topk = 0 if topk_weights is None else int(topk_weights.shape[1])
         # per channel and rank: queue head and tail; per queued token: the row, its source index, its top-k weights
         self._nvl_fits("combine", config, int(x.shape[1]) * x.element_size() + 4 + topk * 4, 2 * 4)
@@ -701,12 +705,7 @@ class Buffer:
         The barrier of an NVLink buffer is a kernel built for 2, 4 or 8 ranks: on any other count it asserts before
         anything is freed, and the buffer stays (its destructor then warns, with ``explicitly_destroy``)."""
         if self.num_nvl_bytes > 0:
-            nvl_ranks = min(self.group_size, NUM_MAX_NVL_PEERS)
-            if nvl_ranks not in NVL_KERNEL_RANKS:
-                raise RuntimeError(
-                    "Failed: Assertion error csrc/kernels/runtime.cu: 'false and \"Unsupported ranks\"' "
-                    f"(the destroy barrier of {nvl_ranks} NVLink ranks)"
-                )
+            self._nvl_kernel_ranks("csrc/kernels/runtime.cu")
         self.state = DESTROYING
         self._meet("destroy", None, lambda xs: [None] * len(xs), device_side=True)
         if self._nvshmem is not None:

@@ -69,4 +69,4 @@ def test_the_bytes_name_from_add_remote_agent_is_the_peers_name_in_the_ledger(ev
     _, oracles = judge(events, t0, completed=True, stuck=[])
     assert oracles.verdict() == ("pass", None, None)
     assert oracles.metrics["transfers"] == 2 and oracles.metrics["bytes_moved"] == 256
-    assert not any(oracles.peers.values())  # the removal removed the peer the load added
+    assert not any(oracles.model.peers.values())  # the removal removed the peer the load added

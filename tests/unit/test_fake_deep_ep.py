@@ -4,6 +4,7 @@ and NVSHMEM as a reference-counted world."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -413,27 +414,21 @@ def test_high_throughput_without_a_config_asserts_on_an_ep_size_deep_ep_has_no_c
         r = g.rank()
         buf = deep_ep.Buffer(g, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], 6)
+        dispatch = functools.partial(
+            buf.dispatch,
+            xs[r],
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idxs[r],
+            topk_weights=ws[r],
+        )
         with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 3"):
-            buf.dispatch(
-                xs[r],
-                num_tokens_per_rank=per_rank,
-                is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert,
-                topk_idx=idxs[r],
-                topk_weights=ws[r],
-            )
+            dispatch()
         # A config of the caller's passes that check, but the intranode kernels are built for 2, 4 or 8 ranks: the
         # dispatch asserts, and so does destroy()'s barrier (the buffer is never freed).
         with pytest.raises(RuntimeError, match="Unsupported ranks"):
-            buf.dispatch(
-                xs[r],
-                num_tokens_per_rank=per_rank,
-                is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert,
-                topk_idx=idxs[r],
-                topk_weights=ws[r],
-                config=object(),
-            )
+            dispatch(config=object())
         with pytest.raises(RuntimeError, match="Unsupported ranks"):
             buf.destroy()
         return "ok"
