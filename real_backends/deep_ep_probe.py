@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -94,6 +95,10 @@ def _run_fake(name: str) -> list:
     kernel = ranks.kernel
 
     def on_rank(group: Any) -> Any:
+        def start_thread(fn: Callable[[], None]) -> Callable[[], None]:
+            th = kernel.spawn(f"rank{group.rank()}-thread", fn, pid=group.rank())
+            return lambda: kernel.wait(th.done, f"join {th.name}")
+
         return c.fn(
             Ctx(
                 deep_ep.Buffer,
@@ -104,6 +109,7 @@ def _run_fake(name: str) -> list:
                 lambda s: kernel.sleep(s, "a late rank"),
                 kernel.now,
                 _python_stdout,
+                start_thread,
             )
         )
 
@@ -140,7 +146,7 @@ def _real_rank(name: str, rank: int, n: int, port: int, module: str, conn) -> No
         torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
         lib = importlib.import_module(module)
-        ctx = Ctx(lib.Buffer, dist.group.WORLD, rank, n, "cuda", time.sleep, time.monotonic, _fd_stdout)
+        ctx = Ctx(lib.Buffer, dist.group.WORLD, rank, n, "cuda", time.sleep, time.monotonic, _fd_stdout, _thread)
         observed = CASES[name].fn(ctx)
         torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001 - an unexpected raise is the observation
@@ -149,6 +155,12 @@ def _real_rank(name: str, rank: int, n: int, port: int, module: str, conn) -> No
     conn.close()
     # No interpreter teardown: a buffer a case leaked on purpose must not turn the exit into another observation.
     os._exit(0)
+
+
+def _thread(fn: Callable[[], None]) -> Callable[[], None]:
+    th = threading.Thread(target=fn, daemon=True)
+    th.start()
+    return th.join
 
 
 def _free_port() -> int:

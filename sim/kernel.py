@@ -126,6 +126,10 @@ class Kernel:
         self._hub: greenlet | None = None
         self._halt = self.env.event()
         self._zombies: list[SimThread] = []  # killed threads: kept referenced so their frames never unwind
+        # pid -> the thread waiting in a native call that holds that process's GIL (DeepEP's destroy barrier, its
+        # intranode dispatch's receive wait): no other thread of the process runs until it returns.
+        self._gil: dict[int, SimThread] = {}
+        self._parked: dict[int, list[tuple[SimThread, Any]]] = {}  # pid -> resumes deferred until the GIL is free
 
     # -- clock ----------------------------------------------------------------------------------------------
     def now(self) -> float:  # replaced per instance by a C-level accessor of the same value
@@ -158,6 +162,13 @@ class Kernel:
         Threads are driven by event callbacks, not by a SimPy process each: a wait registers this method on the
         event it blocks on, and the event firing resumes the greenlet.  The schedule is the one a process-driven
         kernel makes (same events, same order, same tie-break draws), so histories do not depend on it."""
+        if self._gil:
+            holder = self._gil.get(th.pid)
+            if holder is not None and holder is not th:
+                # Its wait is over, but the interpreter lock is not free: it runs when the holder's call returns.
+                th.blocked_on = f"the GIL ({holder.name} holds it in {holder.blocked_on})"
+                self._parked.setdefault(th.pid, []).append((th, event))
+                return
         while True:
             if th.state == "killed":  # never runs another line; kept in _zombies so its frames never unwind
                 self._ended()
@@ -212,13 +223,35 @@ class Kernel:
         if self.stop_on_crash:
             self.halt()
 
-    def wait(self, event: simpy.events.Event, what: str = "") -> Any:
-        """Block the calling simulated thread until ``event`` fires; its value, or its exception raised here."""
+    def wait(self, event: simpy.events.Event, what: str = "", *, holds_gil: bool = False) -> Any:
+        """Block the calling simulated thread until ``event`` fires; its value, or its exception raised here.
+
+        ``holds_gil``: the wait is a native call that keeps its process's GIL (a pybind function without a GIL
+        release, spinning or synchronizing the device): the process's other threads stay where they are until it
+        returns, however long it waits."""
         th = self._current
         if th is None or self._hub is None:
             raise BlockingOutsideThread(f"blocking call ({what or 'wait'}) outside a simulated thread")
         th.blocked_on = what  # read only while the thread is blocked; the next wait overwrites it
-        return self._hub.switch(event)
+        if not holds_gil:
+            return self._hub.switch(event)
+        self._gil[th.pid] = th
+        try:
+            return self._hub.switch(event)
+        finally:
+            self._release_gil(th.pid)
+
+    def _release_gil(self, pid: int) -> None:
+        """The holder's call returned: the threads whose waits ended meanwhile run, in the order they ended."""
+        self._gil.pop(pid, None)
+        for th, event in self._parked.pop(pid, ()):
+            ev = simpy.events.Event(self.env)
+            ev._ok, ev._value = True, None
+            ev.callbacks.append(functools.partial(self._resume_parked, th, event))
+            self.env.schedule(ev, simpy.core.URGENT)
+
+    def _resume_parked(self, th: SimThread, event: Any, _ev: Any) -> None:
+        self._step(th, event)
 
     def sleep(self, seconds: float, what: str = "sleep") -> None:
         th = self._current
@@ -244,6 +277,8 @@ class Kernel:
                 th.done.succeed(None)
                 self._zombies.append(th)
                 killed.append(th)
+        self._gil.pop(pid, None)  # a killed process holds nothing; its parked threads never run
+        self._parked.pop(pid, None)
         self.history.record("process.kill", pid=pid, threads=[t.name for t in killed])
         caller = self._current
         if caller is not None and caller in killed and self._hub is not None:

@@ -29,6 +29,8 @@ from .catalogue import plain
 HIDDEN_LL = 2048
 # How long a late rank stays away in the cases that time a wait: long enough to tell from a call's own cost.
 LATE_S = 2.0
+# How often the second thread of the GIL cases counts: about twenty ticks in a wait of LATE_S if it runs.
+TICK_S = 0.1
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Ctx:
     sleep: Callable[[float], None]  # the world's sleep (simulated seconds in the fake)
     now: Callable[[], float]
     printed: Callable[[], AbstractContextManager]  # captures what the library prints (DeepEP's C++ printf too)
+    start_thread: Callable[[Callable[[], None]], Callable[[], None]]  # another thread of this rank; returns its join
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,29 @@ def _late_then(ctx: Ctx, fn: Callable[[], Any]) -> dict[str, bool]:
     return {"waited": took >= 0.8 * LATE_S}
 
 
+def _while_waiting(ctx: Ctx, fn: Callable[[], Any]) -> dict[str, bool]:
+    """As :func:`_late_then`, with a second thread on each rank counting ticks of ``TICK_S`` meanwhile: whether the
+    call waited, and whether that thread ran while it did (a call that keeps the GIL as it waits stops it)."""
+    ticks = [0]
+    stop = [False]
+
+    def tick() -> None:
+        while not stop[0]:
+            ctx.sleep(TICK_S)
+            ticks[0] += 1
+
+    join = ctx.start_thread(tick)
+    if ctx.rank:
+        ctx.sleep(LATE_S)
+    before = ticks[0]
+    took = _timed(ctx, fn)
+    ticked = ticks[0] - before  # read first: the thread may run again the moment the call returns
+    stop[0] = True
+    join()
+    waited = took >= 0.8 * LATE_S
+    return {"waited": waited, "others_ran": waited and ticked >= 0.5 * LATE_S / TICK_S}
+
+
 # -- high-throughput (intranode) buffers: two ranks ----------------------------------------------------------------
 @case(HT_OK, ranks=2)
 def ht_dispatch_combine(ctx: Ctx):
@@ -234,6 +260,32 @@ def destroy_waits_for_every_rank(ctx: Ctx):
     only when the last has called it."""
     buf = _ht(ctx, explicitly_destroy=True)
     return _late_then(ctx, buf.destroy)
+
+
+@case(
+    [{"waited": True, "others_ran": False}, {"waited": False, "others_ran": False}],
+    ranks=2,
+    per_rank=True,
+)
+def destroy_holds_the_gil(ctx: Ctx):
+    """``destroy()`` waits in its barrier without releasing the GIL (its binding has no release): while rank 0 waits
+    for the late rank, no other thread of rank 0's process runs."""
+    buf = _ht(ctx, explicitly_destroy=True)
+    return _while_waiting(ctx, buf.destroy)
+
+
+@case(
+    [{"waited": True, "others_ran": False}, {"waited": False, "others_ran": False}],
+    ranks=2,
+    per_rank=True,
+)
+def ht_dispatch_holds_the_gil(ctx: Ctx):
+    """The intranode dispatch spins on the host for the peers' receive counts with the GIL held (v1.2.1 releases it
+    only in the internode dispatch): while rank 0 waits for the late rank, no other thread of its process runs."""
+    buf = _ht(ctx, explicitly_destroy=True)
+    observed = _while_waiting(ctx, lambda: _ht_round(ctx, buf))
+    buf.destroy()
+    return observed
 
 
 @case([{"waited": True}, {"waited": False}], ranks=2, per_rank=True)

@@ -60,9 +60,11 @@ class Team:
         parity: int | None = None,
         timeout_s: float = TIMEOUT_S,
         device_side: bool = False,
+        holds_gil: bool = False,
     ) -> Any:
         """Wait for every rank's call number ``k``; ``combine`` turns the payloads (in rank order) into one result
-        per rank.  Raises :class:`DeepEPTimeout` if some rank does not come, or comes with another call."""
+        per rank.  Raises :class:`DeepEPTimeout` if some rank does not come, or comes with another call.
+        ``holds_gil``: the call waits in C++ without releasing the GIL, so the rank's other threads wait with it."""
         seq = self._seq[rank]
         self._seq[rank] += 1
         env = self.kernel.env
@@ -80,12 +82,13 @@ class Team:
             del self._meetings[seq]
             m.done.succeed(combine([m.args[r] for r in range(len(self.pids))]))
         if not m.done.triggered:
-            self.kernel.wait(env.any_of([m.done, m.deadline]), f"DeepEP {kind} #{seq} on {self.name}")
+            what = f"DeepEP {kind} #{seq} on {self.name}"
+            self.kernel.wait(env.any_of([m.done, m.deadline]), what, holds_gil=holds_gil)
             left = arrived + timeout_s - env.now
             if not m.done.triggered and left > 0:
                 # The meeting's watchdog runs from its first arrival; a rank that came later waits out its own
                 # timeout, as its kernel counts from its own launch.  (Only then: one timer per meeting otherwise.)
-                self.kernel.wait(env.any_of([m.done, env.timeout(left)]), f"DeepEP {kind} #{seq} on {self.name}")
+                self.kernel.wait(env.any_of([m.done, env.timeout(left)]), what, holds_gil=holds_gil)
         if m.done.triggered and m.args.get(rank) is not _MISMATCH:
             return m.done.value[rank]
         missing = [r for r in range(len(self.pids)) if r not in m.args or m.args[r] is _MISMATCH]

@@ -211,7 +211,7 @@ class Buffer:
                 self._join_nvshmem(uid[0])
         # runtime.sync: open the peers' handles, (NVSHMEM) align, then barriers.  Collective.
         self.runtime = _Runtime()
-        self._meet("sync", None, lambda xs: [None] * len(xs), device_side=True)
+        self._meet("sync", None, lambda xs: [None] * len(xs), device_side=True, holds_gil=self.uses_nvshmem)
         self.state = AVAILABLE
         self._kernel.history.record(
             "deep_ep.buffer",
@@ -276,9 +276,15 @@ class Buffer:
         combine: Callable[[list[Any]], list[Any]],
         parity: int | None = None,
         device_side: bool = False,
+        holds_gil: bool = False,
     ) -> Any:
+        """A collective call: see :meth:`Team.meet`.  ``holds_gil`` for the C++ calls that wait for the peers with
+        the GIL held (v1.2.1's bindings release it only in ``internode_dispatch``): ``destroy()``'s barrier, the
+        intranode dispatch's receive-count spin, NVSHMEM's initialization in ``sync``."""
         try:
-            return self._team.meet(self.rank, kind, payload, combine, parity=parity, device_side=device_side)
+            return self._team.meet(
+                self.rank, kind, payload, combine, parity=parity, device_side=device_side, holds_gil=holds_gil
+            )
         except DeepEPTimeout:
             if device_side:
                 self.state = POISONED
@@ -448,7 +454,7 @@ class Buffer:
                 out.append((torch.cat(rows), torch.cat(idx), torch.cat(weights) if weights else None, layout))
             return out
 
-        recv_x, recv_idx, recv_w, layout = self._meet("dispatch", mine, route)
+        recv_x, recv_idx, recv_w, layout = self._meet("dispatch", mine, route, holds_gil=True)
         self._needs_clean = self.low_latency_mode
         counts = [int((recv_idx == e).sum()) for e in range(per)]
         counts = [((c + expert_alignment - 1) // expert_alignment) * expert_alignment for c in counts]
@@ -707,7 +713,7 @@ class Buffer:
         if self.num_nvl_bytes > 0:
             self._nvl_kernel_ranks("csrc/kernels/runtime.cu")
         self.state = DESTROYING
-        self._meet("destroy", None, lambda xs: [None] * len(xs), device_side=True)
+        self._meet("destroy", None, lambda xs: [None] * len(xs), device_side=True, holds_gil=True)
         if self._nvshmem is not None:
             self._nvshmem.finalize(_nvshmem.worlds(self._kernel).profile)
             self._nvshmem = None

@@ -212,18 +212,21 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
         "forward step, mostly after the cleanup destroyed the old ones, so the count reaches zero first; "
         "stock NVSHMEM then reuses the old world (its size), the elastic patch bootstraps a new one, and "
         "MI355's build refuses to initialise again. The cleanup runs on a background thread while the new "
-        "group serves, so the two race: where a rank makes its new buffer before its cleanup destroyed the old "
-        "one, the run fails under the patch too; the seeded tie-break decides it (over seeds 0-23, once in "
-        "scale-down and three times in elastic-cycle, never at this seed), and a cleanup 5 s late makes it "
-        "happen at every seed. A late cleanup leaves an old buffer alive, and the new buffer's init only bumps the "
-        "old world's count, patch "
-        "or not. Intranode high throughput never touches NVSHMEM, but its buffers have no strong reference "
-        "besides the MoE layer's: the survivors' old buffers are dropped at the switch and leak (DeepEP "
-        "warns; the cleanup finds an empty cache), the first problem of every high-throughput run that "
-        "reconfigures. Behind it, ranks leaving at a scale-down destroy theirs collectively at exit and wait "
-        "for peers that never come. This row follows vLLM 0.33.0's managers as read from its sources; it has "
-        "not been seen on hardware. With `explicitly_destroy=False`, the collector runs the collective destroy, so "
-        "the rank whose buffer is never collected is the one the others wait for.",
+        "group serves, so the two race: where a rank makes its new buffer before its cleanup destroyed the "
+        "old one, the run fails under the patch too. DeepEP's destroy() keeps the GIL while it waits in its "
+        "barrier, so a rank's first forward cannot get ahead of a cleanup already in it: the race is lost at "
+        "none of seeds 0-23, but a cleanup 5 s late loses it. A late cleanup leaves an old buffer alive, and "
+        "the new buffer's init only bumps the old world's count, patch or not. Intranode high throughput "
+        "never touches NVSHMEM, but its buffers have no strong reference besides the MoE layer's: the "
+        "survivors' old buffers are dropped at the switch and leak (DeepEP warns; the cleanup finds an empty "
+        "cache), the first problem of every high-throughput run that reconfigures. Behind it, ranks leaving "
+        "at a scale-down destroy theirs collectively at exit and wait for peers that never come (epsim's "
+        "engine tells them to exit after the survivors' COMMIT; vLLM 0.33.0's leaving engines destroy their "
+        "groups alongside it). This row follows vLLM 0.33.0's managers as read from its sources; on one H100 "
+        "with DeepEP v1.2.1 the real backend gave the same leak at scale-up 2->4 and scale-down 4->2, and a "
+        "leaving rank's destroy() trapped after DeepEP's 100 s (docs/deep-ep-fake.md). With "
+        "`explicitly_destroy=False`, the collector runs the collective destroy, so the rank whose buffer is "
+        "never collected is the one the others wait for.",
         "",
         "Why the failing cells fail (the first of each kind, in the oracle's words):",
         "",

@@ -21,10 +21,15 @@ FIRST_USE = {"lifecycle": "pr-53947"}
 
 
 def _run(name: str, seed: int = 0, **overrides):
+    return _run_with([], name, seed, **overrides)
+
+
+def _run_with(faults: list[str], name: str, seed: int = 0, **overrides):
     return run_scenario(
         scenario_mod.with_overrides(scenario_mod.load(name), **overrides),
         seed=seed,
         strategy="per-communicator-agent-deferred",
+        faults=faults,
     )
 
 
@@ -36,9 +41,10 @@ def test_buffers_follow_the_reconfiguration_and_every_forward_is_checked():
     assert again.trace_hash == r.trace_hash  # deterministic, buffers and all
 
 
-# Which seeds lose the race of the next tests: over 24 seeds, scale-down once, elastic-cycle three times, scale-up
-# never.
-RACE_LOST = {"scale-up": [], "scale-down": [21], "elastic-cycle": [14, 15, 17]}
+# Which seeds lose the race of the next tests over 24 seeds: none, since the cleanup's destroy() keeps the GIL.
+RACE_LOST: dict[str, list[int]] = {"scale-up": [], "scale-down": [], "elastic-cycle": []}
+# The seeds that lost it while the fake let a process's other threads run during destroy()'s barrier.
+LOST_WITHOUT_THE_GIL = {"scale-down": [21], "elastic-cycle": [14, 15, 17]}
 
 
 def _race_lost(name: str, seeds) -> list[int]:
@@ -49,13 +55,20 @@ def _race_lost(name: str, seeds) -> list[int]:
     ]
 
 
-def test_the_cleanup_races_the_first_forward_even_with_the_elastic_patch():
-    """vLLM destroys the retired group's buffers on a background thread while the new group serves; a rank whose
-    first forward makes its new low-latency buffer before its cleanup destroyed the old one initialises NVSHMEM with
-    an old buffer alive, which the patch does not cover.  Both are due at the switch, so the seeded tie-break decides.
-    Here the seeds around those that lose; every seed of the 24 in the exhaustive run (next test)."""
-    assert _race_lost("scale-down", range(19, 23)) == [21]
-    assert _race_lost("elastic-cycle", range(13, 18)) == [14, 15, 17]
+def test_the_cleanup_holds_the_gil_so_the_first_forward_waits_for_it():
+    """vLLM destroys the retired group's buffers on a background thread (its async executor) while the new group
+    serves; a rank whose first forward made its new low-latency buffer before its cleanup destroyed the old one would
+    initialise NVSHMEM with an old buffer alive, which the elastic patch does not cover.  But DeepEP's destroy() waits
+    in its barrier with the GIL held, so once a cleanup is in it, its process's first forward waits for it to finish:
+    the seeds that lost the race while the fake let other threads run meanwhile now pass (every seed of the 24 in
+    the exhaustive run, next test).  A cleanup that starts late still loses it (a hang at both seeds here)."""
+    for name, seeds in LOST_WITHOUT_THE_GIL.items():
+        assert _race_lost(name, seeds) == [], name
+    late = [
+        _run_with(["all2all.cleanup_late:delay_s=5"], "scale-up", seed, **LL_ELASTIC, **FIRST_USE) for seed in (19, 20)
+    ]
+    assert [(r.verdict, r.invariant) for r in late] == [("liveness", "collective_timeout")] * 2
+    assert "a buffer of the old world is still alive" in (late[0].detail or "")
 
 
 @pytest.mark.slow

@@ -308,3 +308,67 @@ def test_another_simpy_is_refused_in_one_line(monkeypatch) -> None:
         kernel_mod.Kernel(0)
     monkeypatch.undo()
     kernel_mod.Kernel(0)  # the tested SimPy
+
+
+def test_a_wait_that_holds_the_gil_stops_the_processs_other_threads_only() -> None:
+    k = Kernel(tiebreak=False)
+    log: list[tuple[float, str]] = []
+    done = k.env.event()
+
+    def holder() -> None:
+        k.sleep(0.5)
+        k.wait(done, "a native barrier", holds_gil=True)
+        log.append((k.now(), "holder"))
+
+    def ticker(name: str) -> None:
+        for _ in range(3):
+            k.sleep(1.0)
+            log.append((k.now(), name))
+
+    def releaser() -> None:
+        k.sleep(2.5)
+        done.succeed()
+
+    k.spawn("holder", holder, pid=0)
+    same = k.spawn("same-process", ticker, "same", pid=0)
+    k.spawn("other-process", ticker, "other", pid=1)
+    k.spawn("releaser", releaser, pid=2)
+    probe: list[str] = []
+    k.env.timeout(1.5).callbacks.append(lambda _e: probe.append(same.blocked_on))
+    k.run()
+    # Process 1 ticks on; process 0's ticker wakes at 1.0 and waits for the lock until the barrier returns at 2.5,
+    # then goes on from there.
+    assert log == [
+        (1.0, "other"),
+        (2.0, "other"),
+        (2.5, "holder"),
+        (2.5, "same"),
+        (3.0, "other"),
+        (3.5, "same"),
+        (4.5, "same"),
+    ]
+    assert probe == ["the GIL (holder holds it in a native barrier)"]
+
+
+def test_a_killed_holder_leaves_nothing_parked() -> None:
+    k = Kernel(tiebreak=False)
+    ran: list[str] = []
+
+    def holder() -> None:
+        k.wait(k.env.event(), "a barrier nobody reaches", holds_gil=True)
+
+    def sleeper() -> None:
+        k.sleep(1.0)
+        ran.append("sleeper")
+
+    def killer() -> None:
+        k.sleep(2.0)
+        k.kill_process(0)
+        k.spawn("after", lambda: ran.append("new thread"), pid=0)
+
+    k.spawn("holder", holder, pid=0)
+    k.spawn("sleeper", sleeper, pid=0)
+    k.spawn("killer", killer, pid=1)
+    k.run()
+    assert ran == ["new thread"]  # the parked sleeper died with its process; pid 0's GIL is free again
+    k.close()
