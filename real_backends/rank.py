@@ -284,14 +284,17 @@ class RealWorker:
         problem, _ = forward(buf, self.group.rank(), self.group.size(), gen, device=self.cfg.device)
         self.history("all2all.checked", problem=problem)
 
-    def _switch_all2all(self) -> None:
-        """COMMIT: the new group's manager serves, the MoE layer drops its old buffer, and the retired group's manager
-        is destroyed on a background thread while the new group serves (vLLM's _start_group_cleanup)."""
+    def _switch_all2all(self) -> Any:
+        """COMMIT: the new group's manager serves and the MoE layer drops its old buffer; the retired manager."""
         from sim.all2all import switch
 
-        self.cleanup_thread = self.run_thread(
-            f"elastic-cleanup@{self.pid}", self._cleanup_all2all, switch(self, self.drop)
-        )
+        return switch(self, self.drop)
+
+    def _start_group_cleanup(self, retired) -> None:
+        """The retired group's manager is destroyed on a background thread (vLLM's ``_start_group_cleanup``) while
+        the new group serves.  Started last in COMMIT, as vLLM starts it: its destroy() keeps the GIL while it waits
+        for the old group's other ranks, so a thread started earlier would stop COMMIT itself until they come."""
+        self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired)
 
     def _cleanup_all2all(self, manager) -> None:
         self.history("all2all.cleanup", destroyed=manager.destroy())
@@ -568,11 +571,13 @@ class RealWorker:
         self.history("comm.swap", gen=spec.name)
         self.drop(old, "old communicator")
         del old
-        if self.a2a is not None:
-            self._switch_all2all()
+        retired = self._switch_all2all() if self.a2a is not None else None
         if self.sc.lifecycle == "0.33.0":  # warm_and_capture releases the graphs again (sim/worker.py)
             self.history("gc.collect", reason="warm_and_capture")
             gc.collect()
+        if retired is not None:
+            self._start_group_cleanup(retired)
+        del retired
 
     def do_abort(self) -> None:
         self.join_async()
