@@ -586,6 +586,23 @@ class RealWorker:
             self.prepared = None
         self.history("comm.abort")
 
+    def do_remove(self) -> None:
+        """A leaving rank's COMMIT under vLLM 0.33.0 (sim/worker.py's do_remove): wait for an earlier cleanup,
+        collect, and destroy the retired all2all managers on the cleanup thread, waiting for it."""
+        self.join_async()
+        th, self.cleanup_thread = self.cleanup_thread, None
+        if th is not None:
+            th.join()
+        self.history("gc.collect", reason="remove")
+        gc.collect()  # switch_and_remove's _release_cuda_graphs
+        managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
+        self.a2a = self.prepared_a2a = None
+        for manager in managers:
+            self._start_group_cleanup(manager)
+            cleanup, self.cleanup_thread = self.cleanup_thread, None
+            assert cleanup is not None
+            cleanup.join()  # a cleanup that raises is reported as its thread's crash
+
     def do_exit(self) -> None:
         self.join_async()
         for name in ("prepared", "aborted"):

@@ -139,13 +139,19 @@ class Engine:
 
     def _all(self, kind: str, pids: list[int] | None = None, **args: Any) -> bool:
         pids = self.members if pids is None else pids
-        self.world.dispatching(kind, pids)
+        return self._each({p: kind for p in pids}, **args)
+
+    def _each(self, kinds: dict[int, str], **args: Any) -> bool:
+        """Post each rank its command (pid -> kind, in that order) and wait for all of them."""
+        pids = list(kinds)
+        self.world.dispatching("+".join(dict.fromkeys(kinds.values())), pids)
         handles = {}
         for i, p in enumerate(pids):
             if i:
                 self.world.dispatch_gap()
-            handles[p] = self.workers[p].post(Command(kind, dict(args)))
-        return self.world.join(handles, f"{kind} on {pids}")
+            handles[p] = self.workers[p].post(Command(kinds[p], dict(args)))
+        what = " and ".join(f"{k} on {[p for p in pids if kinds[p] == k]}" for k in dict.fromkeys(kinds.values()))
+        return self.world.join(handles, what)
 
     # -- the timeline -------------------------------------------------------------------------------------------
     def engine(self) -> None:
@@ -417,12 +423,17 @@ class Engine:
             if not self.rebalance(new_size=size, mapping=mapping, asynchronous=False, label=reshuffle):
                 return False
             phase = self.world.now()
-            if not self._all("commit", new_members):
+            leaving = [p for p in old_members if p not in new_members]
+            # vLLM 0.33.0's leaving engines run commit_scale_down(removing=True) as soon as they are prepared: after
+            # the reshuffle, switch_and_remove destroys their retired groups (all2all buffers among them) alongside
+            # the survivors' COMMIT, not once it is done.  They exit after it.
+            removing = {p: "remove" for p in leaving} if self.scenario.lifecycle == "0.33.0" else {}
+            if not self._each({**{p: "commit" for p in new_members}, **removing}):
                 return False
             old_rdv, self.rdv, self.members = self.rdv, rdv, new_members
             self._set_members(rdv)
             phase = self._phase(event, "commit", phase)
-            ok = self._retire([p for p in old_members if p not in new_members], old_rdv)
+            ok = self._retire(leaving, old_rdv)
             if ok:
                 self._phase(event, "exit", phase)
         if ok:

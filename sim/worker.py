@@ -532,6 +532,24 @@ class Worker:
             self.prepared = None
         self.history("comm.abort")
 
+    def do_remove(self) -> None:
+        """A leaving rank's COMMIT under vLLM 0.33.0 (``commit_scale_down(removing=True)``, right after the reshuffle
+        and alongside the survivors' COMMIT): ``switch_and_remove`` waits for an earlier cleanup, releases the graphs
+        (a collection) and destroys every retired group, its all2all manager (and so its buffers) among them, on the
+        cleanup thread, waiting for it.  The communicator and the MoE layer's buffer go at exit."""
+        self.join_async()
+        th, self.cleanup_thread = self.cleanup_thread, None
+        if th is not None and th.alive:
+            self.kernel.wait(th.done, "waiting for the previous group cleanup")
+        self.cluster.gc.collect(f"remove@{self.pid}", self.pid)
+        managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
+        self.a2a = self.prepared_a2a = None
+        for manager in managers:
+            self._start_group_cleanup(manager)
+            cleanup, self.cleanup_thread = self.cleanup_thread, None
+            assert cleanup is not None
+            self.kernel.wait(cleanup.done, "waiting for the group cleanup")  # a cleanup that raises is a crash
+
     def do_exit(self) -> None:
         """Leave: the process ends.  Nothing in vLLM releases EPLB explicitly; references just go away."""
         self.join_async()

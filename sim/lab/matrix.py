@@ -220,11 +220,11 @@ def render_deep_ep(cells: list[DeepEPCell]) -> str:
         "never touches NVSHMEM, but its buffers have no strong reference besides the MoE layer's: the "
         "survivors' old buffers are dropped at the switch and leak (DeepEP warns; the cleanup finds an empty "
         "cache), the first problem of every high-throughput run that reconfigures. Behind it, ranks leaving "
-        "at a scale-down destroy theirs collectively at exit and wait for peers that never come (epsim's "
-        "engine tells them to exit after the survivors' COMMIT; vLLM 0.33.0's leaving engines destroy their "
-        "groups alongside it). This row follows vLLM 0.33.0's managers as read from its sources; on one H100 "
+        "at a scale-down destroy theirs collectively alongside the survivors' COMMIT (switch_and_remove) and "
+        "wait for peers that never come. This row follows vLLM 0.33.0's managers as read from its sources; on one H100 "
         "with DeepEP v1.2.1 the real backend gave the same leak at scale-up 2->4 and scale-down 4->2, and a "
-        "leaving rank's destroy() trapped after DeepEP's 100 s (docs/deep-ep-fake.md). With "
+        "leaving rank's destroy() (at its exit, in the engine's order then) trapped after DeepEP's 100 s "
+        "(docs/deep-ep-fake.md). With "
         "`explicitly_destroy=False`, the collector runs the collective destroy, so the rank whose buffer is "
         "never collected is the one the others wait for.",
         "",
