@@ -296,6 +296,12 @@ class RealWorker:
         for the old group's other ranks, so a thread started earlier would stop COMMIT itself until they come."""
         self.cleanup_thread = self.run_thread(f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired)
 
+    def _wait_for_group_cleanup(self) -> None:
+        """vLLM's ``_wait_for_group_cleanup``: the retired group's cleanup, if one runs, is done when this returns."""
+        th, self.cleanup_thread = self.cleanup_thread, None
+        if th is not None:
+            th.join()
+
     def _cleanup_all2all(self, manager) -> None:
         self.history("all2all.cleanup", destroyed=manager.destroy())
 
@@ -577,7 +583,6 @@ class RealWorker:
             gc.collect()
         if retired is not None:
             self._start_group_cleanup(retired)
-        del retired
 
     def do_abort(self) -> None:
         self.join_async()
@@ -589,19 +594,15 @@ class RealWorker:
     def do_remove(self) -> None:
         """A leaving rank's COMMIT under vLLM 0.33.0 (sim/worker.py's do_remove): wait for an earlier cleanup,
         collect, and destroy the retired all2all managers on the cleanup thread, waiting for it."""
+        from sim.all2all import retire_managers
+
         self.join_async()
-        th, self.cleanup_thread = self.cleanup_thread, None
-        if th is not None:
-            th.join()
+        self._wait_for_group_cleanup()
         self.history("gc.collect", reason="remove")
         gc.collect()  # switch_and_remove's _release_cuda_graphs
-        managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
-        self.a2a = self.prepared_a2a = None
-        for manager in managers:
+        for manager in retire_managers(self):
             self._start_group_cleanup(manager)
-            cleanup, self.cleanup_thread = self.cleanup_thread, None
-            assert cleanup is not None
-            cleanup.join()  # a cleanup that raises is reported as its thread's crash
+            self._wait_for_group_cleanup()  # a cleanup that raises is reported as its thread's crash
 
     def do_exit(self) -> None:
         self.join_async()
@@ -620,8 +621,7 @@ class RealWorker:
         if self.a2a is not None:
             from sim.all2all import shut_down
 
-            if self.cleanup_thread is not None:
-                self.cleanup_thread.join()  # a retired group's destroy still under way
+            self._wait_for_group_cleanup()  # a retired group's destroy still under way
             shut_down(self, self.drop)
         for th in self.gc_threads:
             th.join()

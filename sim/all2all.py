@@ -122,11 +122,17 @@ def switch(worker: Any, drop: Callable[[Any, str], None]) -> DeepEPAll2AllManage
     return retired
 
 
+def retire_managers(worker: Any) -> list[DeepEPAll2AllManager]:
+    """The worker's managers (the current group's, and a standby one), which it no longer holds: to be destroyed."""
+    managers = [m for m in (worker.a2a, worker.prepared_a2a) if m is not None]
+    worker.a2a = worker.prepared_a2a = None
+    return managers
+
+
 def shut_down(worker: Any, drop: Callable[[Any, str], None]) -> None:
     """Shutdown destroys the groups (standby ones too), and with them their buffers; then the buffers the MoE layer
     and the staged kernels held are dropped."""
-    managers = [m for m in (worker.a2a, worker.prepared_a2a) if m is not None]
-    worker.a2a = worker.prepared_a2a = None
+    managers = retire_managers(worker)
     worker.history("all2all.cleanup", destroyed=sum(m.destroy() for m in managers))
     del managers
     for name in ("a2a_buffer", "prepared_a2a_buffer"):

@@ -458,9 +458,7 @@ class Worker:
     def _prepare(self, group, prepare_s: float, done, storage_move: bool, peer_restart: bool) -> None:
         # vLLM's prepare begins by waiting for the previous reconfiguration's group cleanup (_wait_for_group_cleanup):
         # a retired group's buffers are gone before standby groups are built.
-        th, self.cleanup_thread = self.cleanup_thread, None
-        if th is not None and th.alive:
-            self.kernel.wait(th.done, "waiting for the previous group cleanup")
+        self._wait_for_group_cleanup()
         self.kernel.sleep(prepare_s, "building standby groups")
         self._opening_group()
         if storage_move:
@@ -519,6 +517,12 @@ class Worker:
             f"elastic-cleanup@{self.pid}", self._cleanup_all2all, retired, delay, pid=self.pid, daemon=True
         )
 
+    def _wait_for_group_cleanup(self) -> None:
+        """vLLM's ``_wait_for_group_cleanup``: the retired group's cleanup, if one runs, is done when this returns."""
+        th, self.cleanup_thread = self.cleanup_thread, None
+        if th is not None and th.alive:
+            self.kernel.wait(th.done, "waiting for the group cleanup")
+
     def _cleanup_all2all(self, manager, delay: float) -> None:
         if delay > 0:
             self.kernel.sleep(delay, "all2all.cleanup_late")
@@ -537,18 +541,14 @@ class Worker:
         and alongside the survivors' COMMIT): ``switch_and_remove`` waits for an earlier cleanup, releases the graphs
         (a collection) and destroys every retired group, its all2all manager (and so its buffers) among them, on the
         cleanup thread, waiting for it.  The communicator and the MoE layer's buffer go at exit."""
+        from .all2all import retire_managers
+
         self.join_async()
-        th, self.cleanup_thread = self.cleanup_thread, None
-        if th is not None and th.alive:
-            self.kernel.wait(th.done, "waiting for the previous group cleanup")
+        self._wait_for_group_cleanup()
         self.cluster.gc.collect(f"remove@{self.pid}", self.pid)
-        managers = [m for m in (self.a2a, self.prepared_a2a) if m is not None]
-        self.a2a = self.prepared_a2a = None
-        for manager in managers:
+        for manager in retire_managers(self):
             self._start_group_cleanup(manager)
-            cleanup, self.cleanup_thread = self.cleanup_thread, None
-            assert cleanup is not None
-            self.kernel.wait(cleanup.done, "waiting for the group cleanup")  # a cleanup that raises is a crash
+            self._wait_for_group_cleanup()  # a cleanup that raises is a crash
 
     def do_exit(self) -> None:
         """Leave: the process ends.  Nothing in vLLM releases EPLB explicitly; references just go away."""

@@ -207,6 +207,10 @@ def _late_then(ctx: Ctx, fn: Callable[[], Any]) -> dict[str, bool]:
     return {"waited": took >= 0.8 * LATE_S}
 
 
+# What the GIL cases observe: rank 0 waited and its other thread did not run meanwhile; rank 1 did not wait.
+HELD_THE_GIL = [{"waited": True, "others_ran": False}, {"waited": False, "others_ran": False}]
+
+
 def _while_waiting(ctx: Ctx, fn: Callable[[], Any]) -> dict[str, bool]:
     """As :func:`_late_then`, with a second thread on each rank counting ticks of ``TICK_S`` meanwhile: whether the
     call waited, and whether that thread ran while it did (a call that keeps the GIL as it waits stops it)."""
@@ -262,11 +266,7 @@ def destroy_waits_for_every_rank(ctx: Ctx):
     return _late_then(ctx, buf.destroy)
 
 
-@case(
-    [{"waited": True, "others_ran": False}, {"waited": False, "others_ran": False}],
-    ranks=2,
-    per_rank=True,
-)
+@case(HELD_THE_GIL, ranks=2, per_rank=True)
 def destroy_holds_the_gil(ctx: Ctx):
     """``destroy()`` waits in its barrier without releasing the GIL (its binding has no release): while rank 0 waits
     for the late rank, no other thread of rank 0's process runs."""
@@ -274,11 +274,7 @@ def destroy_holds_the_gil(ctx: Ctx):
     return _while_waiting(ctx, buf.destroy)
 
 
-@case(
-    [{"waited": True, "others_ran": False}, {"waited": False, "others_ran": False}],
-    ranks=2,
-    per_rank=True,
-)
+@case(HELD_THE_GIL, ranks=2, per_rank=True)
 def ht_dispatch_holds_the_gil(ctx: Ctx):
     """The intranode dispatch spins on the host for the peers' receive counts with the GIL held (v1.2.1 releases it
     only in the internode dispatch): while rank 0 waits for the late rank, no other thread of its process runs."""
